@@ -1,0 +1,74 @@
+"""Training runs shared by tests and benchmarks: the same steps, eagerly or under dtr."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+import dtr
+
+from .models import MODELS, batches, build
+
+
+@dataclasses.dataclass
+class Trajectory:
+    losses: list[float]
+    grads: list[list[torch.Tensor]]  # per step, per parameter (None where no grad)
+    params: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    stats: dtr.Stats | None
+
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    raise ValueError(f"unknown optimizer {kind!r}")
+
+
+def train(name: str, steps: int = 3, optimizer: str = "sgd", dtr_kwargs: dict | None = None,
+          model_seed: int = 0, data_seed: int = 1, rng_seed: int = 2) -> Trajectory:
+    """Train `steps` steps; under dtr.enable(**dtr_kwargs) unless it is None (eager)."""
+    spec = MODELS[name]
+    model = build(name, model_seed)
+    model.train()
+    params = list(model.parameters())
+    opt = make_optimizer(optimizer, params)
+    data = batches(name, steps, data_seed)
+    torch.manual_seed(rng_seed)
+    traj = Trajectory([], [], [], [], None)
+    ctx = dtr.enable(**dtr_kwargs) if dtr_kwargs is not None else contextlib.nullcontext()
+    with ctx as session:
+        for batch in data:
+            loss = spec.loss(model, batch)
+            loss.backward()
+            traj.grads.append([None if p.grad is None else p.grad.clone() for p in params])
+            opt.step()
+            opt.zero_grad()
+            traj.losses.append(loss.item())
+    traj.params = [p.detach().clone() for p in params]
+    traj.buffers = [b.clone() for b in model.buffers()]
+    traj.stats = session.stats() if dtr_kwargs is not None else None
+    return traj
+
+
+def mismatches(a: Trajectory, b: Trajectory) -> list[str]:
+    """Where two trajectories differ bitwise (empty when identical)."""
+    out = []
+    if a.losses != b.losses:
+        out.append(f"losses {a.losses} != {b.losses}")
+    for step, (ga, gb) in enumerate(zip(a.grads, b.grads)):
+        for i, (x, y) in enumerate(zip(ga, gb)):
+            if (x is None) != (y is None) or (x is not None and (
+                    type(y) is not torch.Tensor or not torch.equal(x, y))):
+                out.append(f"grad {i} at step {step}")
+    for kind, xs, ys in (("param", a.params, b.params), ("buffer", a.buffers, b.buffers)):
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            if not torch.equal(x, y):
+                out.append(f"{kind} {i}")
+    return out

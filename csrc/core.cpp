@@ -1,0 +1,826 @@
+// See core.h. Every function mirrors the method of the same name in dtr/_pycore.py.
+#include "core.h"
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <unordered_map>
+#include <utility>
+
+namespace dtr {
+
+namespace {
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+[[noreturn]] void fail(const std::string& msg) { throw std::runtime_error("dtr: " + msg); }
+
+void remove_first(std::vector<int64_t>& v, int64_t x) {
+  auto it = std::find(v.begin(), v.end(), x);
+  if (it != v.end()) v.erase(it);
+}
+
+bool contains(const std::vector<int64_t>& v, int64_t x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+}  // namespace
+
+const std::vector<std::string>& heuristic_names() {
+  static const std::vector<std::string> names = {"dtr", "dtr_eq", "dtr_local", "lru",
+                                                 "size", "msps", "random"};
+  return names;
+}
+
+Core::Core(const std::string& heuristic_, int64_t budget_, uint64_t seed,
+           int64_t min_evict_bytes_)
+    : heuristic(heuristic_), budget(budget_), min_evict_bytes(min_evict_bytes_), rng_(seed) {
+  const auto& names = heuristic_names();
+  auto it = std::find(names.begin(), names.end(), heuristic_);
+  if (it == names.end()) fail("unknown heuristic '" + heuristic_ + "'");
+  h_ = static_cast<int>(it - names.begin());
+}
+
+// ------------------------------------------------------------------ access
+const TensorRec& Core::T(int64_t tid) const {
+  if (tid < 0 || tid >= static_cast<int64_t>(tensors_.size()) || !tensors_[tid].used)
+    throw std::out_of_range("dtr: no tensor " + std::to_string(tid));
+  return tensors_[tid];
+}
+TensorRec& Core::T(int64_t tid) { return const_cast<TensorRec&>(std::as_const(*this).T(tid)); }
+const PoolRec& Core::P(int64_t pid) const {
+  if (pid < 0 || pid >= static_cast<int64_t>(pools_.size()) || !pools_[pid].used)
+    throw std::out_of_range("dtr: no pool " + std::to_string(pid));
+  return pools_[pid];
+}
+PoolRec& Core::P(int64_t pid) { return const_cast<PoolRec&>(std::as_const(*this).P(pid)); }
+const RecipeRec& Core::R(int64_t rid) const {
+  if (rid < 0 || rid >= static_cast<int64_t>(recipes_.size()) || !recipes_[rid].used)
+    throw std::out_of_range("dtr: no recipe " + std::to_string(rid));
+  return recipes_[rid];
+}
+RecipeRec& Core::R(int64_t rid) { return const_cast<RecipeRec&>(std::as_const(*this).R(rid)); }
+
+// ------------------------------------------------------------------ allocation
+int64_t Core::new_tensor(int64_t pool, int64_t recipe, int64_t ext, bool mat) {
+  int64_t tid;
+  if (!free_t_.empty()) {
+    tid = free_t_.back();
+    free_t_.pop_back();
+  } else {
+    tid = static_cast<int64_t>(tensors_.size());
+    tensors_.emplace_back();
+  }
+  TensorRec& t = tensors_[tid];
+  t = TensorRec();
+  t.pool = pool;
+  t.recipe = recipe;
+  t.ext = ext;
+  t.mat = mat;
+  t.used = true;
+  PoolRec& p = P(pool);
+  p.members.push_back(tid);
+  if (ext > 0) p.alive += 1;
+  if (recipe < 0 && !p.constant) p.pinned += 1;
+  return tid;
+}
+
+int64_t Core::new_pool(int64_t nbytes, bool resident, bool constant) {
+  int64_t pid;
+  if (!free_p_.empty()) {
+    pid = free_p_.back();
+    free_p_.pop_back();
+  } else {
+    pid = static_cast<int64_t>(pools_.size());
+    pools_.emplace_back();
+    visit_.push_back(0);
+  }
+  PoolRec& p = pools_[pid];
+  p = PoolRec();
+  p.nbytes = nbytes;
+  p.resident = resident;
+  p.constant = constant;
+  p.last_access = now;
+  p.used = true;
+  if (resident) add_resident(nbytes);
+  return pid;
+}
+
+void Core::add_resident(int64_t nbytes) {
+  resident_bytes += nbytes;
+  if (resident_bytes > max_bytes) max_bytes = resident_bytes;
+}
+
+void Core::pool_cost(PoolRec& p) {
+  std::vector<int64_t> seen;
+  double cost = 0.0;
+  for (int64_t m : p.members) {
+    int64_t r = tensors_[m].recipe;
+    if (r >= 0 && !contains(seen, r)) {
+      seen.push_back(r);
+      cost += recipes_[r].cost;
+    }
+  }
+  p.cost = cost;
+}
+
+// ------------------------------------------------------------------ recording
+int64_t Core::new_constant(int64_t nbytes) {
+  int64_t pid = new_pool(nbytes, true, true);
+  return new_tensor(pid, -1, 1, true);
+}
+
+std::vector<int64_t> Core::record(const std::vector<int64_t>& inputs, double cost,
+                                  const std::vector<int64_t>& kinds,
+                                  const std::vector<int64_t>& refs,
+                                  const std::vector<int64_t>& nbytes) {
+  if (refs.size() != kinds.size() || nbytes.size() != kinds.size())
+    fail("record: kinds, refs and nbytes differ in length");
+  for (int64_t i : inputs) T(i);
+  ops += 1;
+  int64_t rid = alloc_recipe(inputs, cost);
+  for (int64_t i : inputs) {
+    tensors_[i].consumers.push_back(rid);
+    pools_[tensors_[i].pool].last_access = now;
+  }
+  now += recipes_[rid].cost;
+  std::vector<int64_t> outs;
+  outs.reserve(kinds.size());
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    int64_t tid;
+    if (kinds[k] == kNew) {
+      int64_t pid = new_pool(nbytes[k], true, false);
+      tid = new_tensor(pid, rid, 1, true);
+      recipes_[rid].nbytes.push_back(nbytes[k]);
+      recipes_[rid].version_of.push_back(-1);
+    } else if (kinds[k] == kView) {
+      int64_t pid = T(refs[k]).pool;
+      tid = new_tensor(pid, rid, 1, true);
+      recipes_[rid].nbytes.push_back(0);
+      recipes_[rid].version_of.push_back(-1);
+    } else if (kinds[k] == kVersion) {
+      T(refs[k]);
+      tid = version(refs[k], rid);
+      recipes_[rid].nbytes.push_back(pools_[tensors_[tid].pool].nbytes);
+      recipes_[rid].version_of.push_back(refs[k]);
+    } else {
+      fail("bad output kind " + std::to_string(kinds[k]));
+    }
+    RecipeRec& r = recipes_[rid];
+    r.outputs.push_back(tid);
+    r.kept += 1;
+    PoolRec& p = pools_[tensors_[tid].pool];
+    p.last_access = now;
+    pool_cost(p);
+    outs.push_back(tid);
+  }
+  if (recipes_[rid].kept == 0) drop_recipe(rid);
+  return outs;
+}
+
+int64_t Core::alloc_recipe(const std::vector<int64_t>& inputs, double cost) {
+  int64_t rid;
+  if (!free_r_.empty()) {
+    rid = free_r_.back();
+    free_r_.pop_back();
+  } else {
+    rid = static_cast<int64_t>(recipes_.size());
+    recipes_.emplace_back();
+  }
+  RecipeRec& r = recipes_[rid];
+  r = RecipeRec();
+  r.inputs = inputs;
+  r.cost = cost;
+  r.used = true;
+  return rid;
+}
+
+int64_t Core::version(int64_t old, int64_t rid) {
+  // Invariant 4: the storage now holds the new value; every old member moves to a
+  // fresh, evicted pool so that it is recomputed into new storage when needed.
+  int64_t pid = tensors_[old].pool;
+  int64_t ext_ = tensors_[old].ext;
+  int64_t old_pid = new_pool(pools_[pid].nbytes, false, false);
+  PoolRec& p = pools_[pid];
+  PoolRec& op = pools_[old_pid];
+  op.members = std::move(p.members);
+  op.last_access = p.last_access;
+  op.locks = p.locks;
+  op.pinned = p.pinned;
+  p.members.clear();
+  p.locks = 0;
+  p.pinned = 0;
+  p.alive = 0;
+  tensors_[old].ext = 0;
+  for (int64_t m : op.members) {
+    TensorRec& tm = tensors_[m];
+    tm.pool = old_pid;
+    if (tm.ext > 0) op.alive += 1;
+    if (tm.mat) {
+      tm.mat = false;
+      evicted_.push_back(m);
+    }
+  }
+  pool_cost(op);
+  mark_evicted(old_pid);
+  return new_tensor(pid, rid, ext_, true);
+}
+
+// ------------------------------------------------------------------ handles
+void Core::retain(int64_t tid) {
+  TensorRec& t = T(tid);
+  if (t.ext == 0) {
+    pools_[t.pool].alive += 1;
+    pools_[t.pool].doomed = false;
+  }
+  t.ext += 1;
+}
+
+void Core::release(int64_t tid) {
+  TensorRec& t = T(tid);
+  if (t.ext <= 0) fail("release of tensor " + std::to_string(tid) + " with no handles");
+  t.ext -= 1;
+  if (t.ext == 0) {
+    int64_t pid = t.pool;
+    pools_[pid].alive -= 1;
+    if (pools_[pid].alive == 0) pools_[pid].doomed = true;
+    maybe_drop(tid);
+    maybe_eager_evict(pid);
+  }
+}
+
+void Core::lock(int64_t tid) {
+  TensorRec& t = T(tid);
+  t.lock += 1;
+  PoolRec& p = pools_[t.pool];
+  p.locks += 1;
+  p.last_access = now;
+}
+
+void Core::unlock(int64_t tid) {
+  TensorRec& t = T(tid);
+  if (t.lock <= 0) fail("unlock of tensor " + std::to_string(tid) + " that is not locked");
+  t.lock -= 1;
+  int64_t pid = t.pool;
+  pools_[pid].locks -= 1;
+  if (t.lock == 0) maybe_drop(tid);
+  maybe_eager_evict(pid);
+}
+
+void Core::pin(int64_t tid) {
+  if (tid < 0 || tid >= static_cast<int64_t>(tensors_.size()) || !tensors_[tid].used) return;
+  TensorRec& t = tensors_[tid];
+  int64_t rid = t.recipe;
+  if (rid < 0) return;
+  RecipeRec& r = recipes_[rid];
+  *std::find(r.outputs.begin(), r.outputs.end(), tid) = -1;
+  r.kept -= 1;
+  t.recipe = -1;
+  PoolRec& p = pools_[t.pool];
+  if (!p.constant) p.pinned += 1;
+  pool_cost(p);
+  if (r.kept == 0) drop_recipe(rid);
+  maybe_drop(tid);
+}
+
+// ------------------------------------------------------------------ dropping
+bool Core::droppable(const TensorRec& t) const {
+  return t.used && t.ext == 0 && t.lock == 0 && t.consumers.empty();
+}
+
+void Core::maybe_drop(int64_t tid) {
+  if (droppable(tensors_[tid])) drop({tid});
+}
+
+void Core::drop(std::vector<int64_t> stack) {
+  // Iterative (Invariant 7): lineage chains can be long.
+  while (!stack.empty()) {
+    int64_t tid = stack.back();
+    stack.pop_back();
+    if (!droppable(tensors_[tid])) continue;
+    TensorRec& t = tensors_[tid];
+    int64_t pid = t.pool;
+    PoolRec& p = pools_[pid];
+    remove_first(p.members, tid);
+    if (t.recipe >= 0) {
+      int64_t rid = t.recipe;
+      RecipeRec& r = recipes_[rid];
+      *std::find(r.outputs.begin(), r.outputs.end(), tid) = -1;
+      r.kept -= 1;
+      if (r.kept == 0) {
+        for (int64_t i : release_recipe(rid)) stack.push_back(i);
+      }
+    } else if (!p.constant) {
+      p.pinned -= 1;
+    }
+    t = TensorRec();
+    dropped_t_.push_back(tid);
+    if (pools_[pid].members.empty()) {
+      free_pool(pid);
+    } else {
+      pool_cost(pools_[pid]);
+      maybe_eager_evict(pid);
+    }
+  }
+}
+
+void Core::drop_recipe(int64_t rid) { drop(release_recipe(rid)); }
+
+std::vector<int64_t> Core::release_recipe(int64_t rid) {
+  RecipeRec r = std::move(recipes_[rid]);
+  for (int64_t i : r.inputs) remove_first(tensors_[i].consumers, rid);
+  recipes_[rid] = RecipeRec();
+  dropped_r_.push_back(rid);
+  std::vector<int64_t> out;
+  for (int64_t i : r.inputs)
+    if (droppable(tensors_[i])) out.push_back(i);
+  return out;
+}
+
+void Core::free_pool(int64_t pid) {
+  PoolRec& p = pools_[pid];
+  if (p.resident) {
+    resident_bytes -= p.nbytes;
+  } else if (p.uf >= 0) {
+    uf_leave(p);
+  }
+  p = PoolRec();
+  dropped_p_.push_back(pid);
+}
+
+std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> Core::drain() {
+  std::vector<int64_t> ev, dt, dr;
+  ev.swap(evicted_);
+  dt.swap(dropped_t_);
+  dr.swap(dropped_r_);
+  free_t_.insert(free_t_.end(), dt.begin(), dt.end());
+  free_r_.insert(free_r_.end(), dr.begin(), dr.end());
+  free_p_.insert(free_p_.end(), dropped_p_.begin(), dropped_p_.end());
+  dropped_p_.clear();
+  return {std::move(ev), std::move(dt), std::move(dr)};
+}
+
+// ------------------------------------------------------------------ eviction
+bool Core::evictable(const PoolRec& p) const {
+  return p.used && p.resident && !p.constant && p.pinned == 0 && p.locks == 0 && p.nbytes > 0;
+}
+
+void Core::maybe_eager_evict(int64_t pid) {
+  if (pid < 0 || pid >= static_cast<int64_t>(pools_.size())) return;
+  // Only pools the program let go of: tensors rebuilt for lineage stay resident until a
+  // heuristic picks them (they are often needed again at once).
+  const PoolRec& p = pools_[pid];
+  if (p.used && p.doomed && p.alive == 0 && evictable(p)) {
+    evict(pid);
+    eager_evictions += 1;
+  }
+}
+
+void Core::evict(int64_t pid) {
+  PoolRec& p = pools_[pid];
+  p.resident = false;
+  p.doomed = false;
+  resident_bytes -= p.nbytes;
+  for (int64_t m : p.members) {
+    TensorRec& t = tensors_[m];
+    if (t.mat) {
+      t.mat = false;
+      evicted_.push_back(m);
+    }
+  }
+  mark_evicted(pid);
+}
+
+bool Core::make_room(int64_t extra) {
+  if (budget >= 0) {
+    while (resident_bytes + extra > budget) {
+      int64_t v = choose();
+      if (v < 0) return false;
+      evict(v);
+      evictions += 1;
+    }
+  }
+  if (resident_bytes > peak_bytes) peak_bytes = resident_bytes;
+  return true;
+}
+
+int64_t Core::evict_all() {
+  int64_t n = 0;
+  for (int64_t pid = 0; pid < static_cast<int64_t>(pools_.size()); ++pid) {
+    if (evictable(pools_[pid])) {
+      evict(pid);
+      evictions += 1;
+      n += 1;
+    }
+  }
+  return n;
+}
+
+int64_t Core::choose() {
+  const int64_t n = static_cast<int64_t>(pools_.size());
+  if (h_ == kRandom) {
+    std::vector<int64_t> cands;
+    for (int64_t pid = 0; pid < n; ++pid) {
+      const PoolRec& p = pools_[pid];
+      if (evictable(p) && p.nbytes >= min_evict_bytes) cands.push_back(pid);
+    }
+    if (cands.empty()) return -1;
+    return cands[next_random() % cands.size()];
+  }
+  int64_t best = -1;
+  double best_score = kInf;
+  for (int64_t pid = 0; pid < n; ++pid) {
+    const PoolRec& p = pools_[pid];
+    if (!evictable(p) || p.nbytes < min_evict_bytes) continue;
+    double s = score(pid, p);
+    if (best < 0 || s < best_score) {
+      best = pid;
+      best_score = s;
+    }
+  }
+  return best;
+}
+
+double Core::score(int64_t pid, const PoolRec& p) {
+  const double m = static_cast<double>(p.nbytes);
+  const double stale = now - p.last_access;
+  if (h_ == kSize) return m > 0 ? 1.0 / m : kInf;
+  if (h_ == kMSPS) {
+    double c = p.cost + neighborhood(pid, true, false);
+    return m > 0 ? c / m : kInf;
+  }
+  const double denom = m * stale;
+  if (h_ == kLRU) return stale > 0 ? 1.0 / stale : kInf;
+  double c;
+  if (h_ == kDTR) {
+    c = p.cost + neighborhood(pid, true, true);
+  } else if (h_ == kDTREq) {
+    c = p.cost + eq_neighbors(pid);
+  } else {
+    c = p.cost;
+  }
+  return denom > 0 ? c / denom : kInf;
+}
+
+// ------------------------------------------------------------------ neighbourhoods
+void Core::pool_parents(int64_t pid, std::vector<int64_t>& out) const {
+  out.clear();
+  for (int64_t m : pools_[pid].members) {
+    int64_t r = tensors_[m].recipe;
+    if (r >= 0)
+      for (int64_t i : recipes_[r].inputs) out.push_back(tensors_[i].pool);
+  }
+}
+
+void Core::pool_children(int64_t pid, std::vector<int64_t>& out) const {
+  out.clear();
+  for (int64_t m : pools_[pid].members)
+    for (int64_t r : tensors_[m].consumers)
+      for (int64_t o : recipes_[r].outputs)
+        if (o >= 0) out.push_back(tensors_[o].pool);
+}
+
+double Core::neighborhood(int64_t pid, bool up, bool down) {
+  double total = 0.0;
+  std::vector<int64_t> stack, nbrs;
+  for (int direction = 0; direction < 2; ++direction) {
+    if ((direction == 0 && !up) || (direction == 1 && !down)) continue;
+    const uint64_t mark = ++epoch_;
+    visit_[pid] = mark;
+    stack.assign(1, pid);
+    while (!stack.empty()) {
+      int64_t q = stack.back();
+      stack.pop_back();
+      if (direction == 0) {
+        pool_parents(q, nbrs);
+      } else {
+        pool_children(q, nbrs);
+      }
+      for (int64_t nb : nbrs) {
+        if (visit_[nb] == mark) continue;
+        visit_[nb] = mark;
+        const PoolRec& pn = pools_[nb];
+        if (pn.resident) continue;
+        total += pn.cost;
+        stack.push_back(nb);
+      }
+    }
+  }
+  return total;
+}
+
+int64_t Core::uf_find(int64_t x) {
+  int64_t root = x;
+  while (uf_parent_[root] != root) root = uf_parent_[root];
+  while (uf_parent_[x] != root) {
+    int64_t next = uf_parent_[x];
+    uf_parent_[x] = root;
+    x = next;
+  }
+  return root;
+}
+
+void Core::mark_evicted(int64_t pid) {
+  if (h_ != kDTREq) return;
+  evicted_pools_ += 1;
+  PoolRec& p = pools_[pid];
+  int64_t node = static_cast<int64_t>(uf_parent_.size());
+  uf_parent_.push_back(node);
+  uf_cost_.push_back(p.cost);
+  p.uf = node;
+  std::vector<int64_t> nbrs, kids;
+  pool_parents(pid, nbrs);
+  pool_children(pid, kids);
+  nbrs.insert(nbrs.end(), kids.begin(), kids.end());
+  for (int64_t nb : nbrs) {
+    const PoolRec& pn = pools_[nb];
+    if (nb == pid || pn.resident || pn.uf < 0) continue;
+    int64_t a = uf_find(pn.uf), b = uf_find(node);
+    if (a != b) {
+      uf_parent_[a] = b;
+      uf_cost_[b] += uf_cost_[a];
+    }
+  }
+}
+
+void Core::uf_leave(PoolRec& p) {
+  // Union-find cannot split: the pool's cost leaves its class, the node stays.
+  int64_t root = uf_find(p.uf);
+  uf_cost_[root] -= p.cost;
+  p.uf = -1;
+  evicted_pools_ -= 1;
+  if (evicted_pools_ == 0) {
+    uf_parent_.clear();
+    uf_cost_.clear();
+  }
+}
+
+double Core::eq_neighbors(int64_t pid) {
+  std::vector<int64_t> nbrs, kids, roots;
+  pool_parents(pid, nbrs);
+  pool_children(pid, kids);
+  nbrs.insert(nbrs.end(), kids.begin(), kids.end());
+  double total = 0.0;
+  for (int64_t nb : nbrs) {
+    const PoolRec& pn = pools_[nb];
+    if (nb == pid || pn.resident || pn.uf < 0) continue;
+    int64_t r = uf_find(pn.uf);
+    if (!contains(roots, r)) {
+      roots.push_back(r);
+      total += uf_cost_[r];
+    }
+  }
+  return total;
+}
+
+uint64_t Core::next_random() {
+  // splitmix64, identical in the Python twin.
+  rng_ += 0x9E3779B97F4A7C15ULL;
+  uint64_t z = rng_;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// ------------------------------------------------------------------ rematerialization
+// Rematerialization walks a stack of frames, one per tensor being rebuilt (Invariant 7:
+// iterative, never recursive). A frame locks an input only once it is known to be
+// materialized: a child it rebuilt is locked for it as the child finishes, and inputs that
+// were already resident are locked only when the frame's recipe is about to run. Until then
+// they may be evicted (and are rebuilt if they were), so a long chain does not pin every
+// side input along it. Each frame gains a lock per finished child, so the walk terminates.
+void Core::remat_begin(int64_t tid) {
+  T(tid);
+  if (!frames_.empty()) fail("a rematerialization is already in progress");
+  frames_.push_back(Frame{tid, {}});
+}
+
+int64_t Core::remat_step() {
+  while (!frames_.empty()) {
+    const int64_t tid = frames_.back().tid;
+    const TensorRec& t = tensors_[tid];
+    if (t.mat) {
+      pop_frame();
+      continue;
+    }
+    if (t.recipe < 0) fail("tensor " + std::to_string(tid) + " is evicted and has no recipe");
+    const int64_t rid = t.recipe;
+    int64_t missing = -1;
+    for (int64_t i : recipes_[rid].inputs) {
+      if (!tensors_[i].mat) {
+        missing = i;
+        break;
+      }
+    }
+    if (missing >= 0) {
+      frames_.push_back(Frame{missing, {}});
+      continue;
+    }
+    Frame& f = frames_.back();
+    std::vector<int64_t> held = f.locks;
+    const std::vector<int64_t> inputs = recipes_[rid].inputs;
+    for (int64_t i : inputs) {
+      auto it = std::find(held.begin(), held.end(), i);
+      if (it != held.end()) {
+        held.erase(it);
+      } else {
+        lock(i);
+        f.locks.push_back(i);
+      }
+    }
+    return rid;
+  }
+  return -1;
+}
+
+void Core::pop_frame() {
+  Frame f = std::move(frames_.back());
+  frames_.pop_back();
+  if (!frames_.empty()) {  // lock the finished child for its parent before letting go
+    lock(f.tid);
+    frames_.back().locks.push_back(f.tid);
+  }
+  for (int64_t i : f.locks) unlock(i);
+}
+
+void Core::remat_abort() {
+  std::vector<Frame> frames;
+  frames.swap(frames_);
+  for (const Frame& f : frames)
+    for (int64_t i : f.locks) unlock(i);
+}
+
+std::vector<int64_t> Core::steals(int64_t rid) const {
+  const RecipeRec& r = R(rid);
+  std::vector<int64_t> out;
+  for (size_t k = 0; k < r.version_of.size(); ++k) {
+    int64_t old = r.version_of[k];
+    if (old < 0 || r.outputs[k] < 0) continue;
+    const TensorRec& t = tensors_[old];
+    const PoolRec& p = pools_[t.pool];
+    if (!(t.mat && t.ext == 0 && t.lock == 1 && p.pinned == 0 && !p.constant)) continue;
+    bool alone = true;
+    for (int64_t m : p.members)
+      if (m != old && tensors_[m].mat) alone = false;
+    if (alone) out.push_back(static_cast<int64_t>(k));
+  }
+  return out;
+}
+
+int64_t Core::remat_bytes(int64_t rid) const {
+  const RecipeRec& r = R(rid);
+  const std::vector<int64_t> stolen = steals(rid);
+  int64_t total = 0;
+  for (size_t k = 0; k < r.nbytes.size(); ++k)
+    if (!contains(stolen, static_cast<int64_t>(k))) total += r.nbytes[k];
+  return total;
+}
+
+void Core::remat_done(int64_t rid, const std::vector<int64_t>& nbytes,
+                      const std::vector<int64_t>& stolen) {
+  R(rid);
+  remats += 1;
+  remat_cost += recipes_[rid].cost;
+  now += recipes_[rid].cost;
+  for (int64_t k : stolen) {
+    int64_t old = recipes_[rid].version_of.at(k);
+    TensorRec& t = tensors_[old];
+    t.mat = false;
+    evicted_.push_back(old);
+    PoolRec& p = pools_[t.pool];
+    p.resident = false;
+    resident_bytes -= p.nbytes;
+    mark_evicted(t.pool);
+  }
+  const std::vector<int64_t> outputs = recipes_[rid].outputs;
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    int64_t o = outputs[k];
+    if (o < 0) continue;
+    TensorRec& t = tensors_[o];
+    if (t.mat) continue;
+    PoolRec& p = pools_[t.pool];
+    if (!p.resident) {
+      if (k < nbytes.size() && nbytes[k] > 0) p.nbytes = nbytes[k];
+      p.resident = true;
+      if (p.uf >= 0) uf_leave(p);
+      add_resident(p.nbytes);
+    }
+    t.mat = true;
+    p.last_access = now;
+  }
+  for (int64_t i : recipes_[rid].inputs) pools_[tensors_[i].pool].last_access = now;
+}
+
+// ------------------------------------------------------------------ queries
+bool Core::is_private(int64_t tid) const {
+  const TensorRec& t = T(tid);
+  const PoolRec& p = pools_[t.pool];
+  return !p.constant && p.pinned == 0 && t.recipe >= 0 && t.ext > 0 && p.alive == 1;
+}
+
+std::vector<int64_t> Core::descendants(const std::vector<int64_t>& seeds) const {
+  std::vector<char> seen(tensors_.size(), 0);
+  for (int64_t s : seeds) {
+    T(s);
+    seen[s] = 1;
+  }
+  std::vector<int64_t> out;
+  std::vector<int64_t> stack(seeds.begin(), seeds.end());
+  while (!stack.empty()) {
+    int64_t t = stack.back();
+    stack.pop_back();
+    for (int64_t r : tensors_[t].consumers)
+      for (int64_t o : recipes_[r].outputs)
+        if (o >= 0 && !seen[o]) {
+          seen[o] = 1;
+          out.push_back(o);
+          stack.push_back(o);
+        }
+  }
+  return out;
+}
+
+std::vector<int64_t> Core::alive() const {
+  std::vector<int64_t> out;
+  for (int64_t tid = 0; tid < static_cast<int64_t>(tensors_.size()); ++tid) {
+    const TensorRec& t = tensors_[tid];
+    if (t.used && t.ext > 0 && !pools_[t.pool].constant) out.push_back(tid);
+  }
+  return out;
+}
+
+int64_t Core::pinned_bytes() const {
+  int64_t total = 0;
+  for (const PoolRec& p : pools_)
+    if (p.used && p.resident && (p.constant || p.pinned > 0)) total += p.nbytes;
+  return total;
+}
+
+int64_t Core::constant_bytes() const {
+  int64_t total = 0;
+  for (const PoolRec& p : pools_)
+    if (p.used && p.constant) total += p.nbytes;
+  return total;
+}
+
+int64_t Core::locked_bytes() const {
+  int64_t total = 0;
+  for (const PoolRec& p : pools_)
+    if (p.used && p.resident && !p.constant && p.pinned == 0 && p.locks > 0) total += p.nbytes;
+  return total;
+}
+
+std::vector<std::pair<int64_t, int64_t>> Core::largest_pinned(int64_t k) const {
+  std::vector<std::pair<int64_t, int64_t>> rows;  // (nbytes, tid)
+  for (const PoolRec& p : pools_)
+    if (p.used && p.resident && !p.members.empty() &&
+        (p.constant || p.pinned > 0 || p.locks > 0))
+      rows.emplace_back(p.nbytes, p.members[0]);
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t i = 0; i < k && i < static_cast<int64_t>(rows.size()); ++i)
+    out.emplace_back(rows[i].second, rows[i].first);
+  return out;
+}
+
+std::tuple<int64_t, int64_t, int64_t> Core::counts() const {
+  int64_t nt = 0, np = 0, nr = 0;
+  for (const auto& t : tensors_) nt += t.used;
+  for (const auto& p : pools_) np += p.used;
+  for (const auto& r : recipes_) nr += r.used;
+  return {nt, np, nr};
+}
+
+void Core::check() const {
+  int64_t resident = 0;
+  for (int64_t pid = 0; pid < static_cast<int64_t>(pools_.size()); ++pid) {
+    const PoolRec& p = pools_[pid];
+    if (!p.used) continue;
+    if (p.resident) resident += p.nbytes;
+    int64_t alive_ = 0, locks = 0, pinned = 0;
+    for (int64_t m : p.members) {
+      const TensorRec& t = tensors_[m];
+      alive_ += t.ext > 0;
+      locks += t.lock;
+      if (!p.constant) pinned += t.recipe < 0;
+      if (t.pool != pid) fail("tensor " + std::to_string(m) + " not in its pool");
+      if (t.mat && !p.resident)
+        fail("tensor " + std::to_string(m) + " materialized in evicted pool");
+    }
+    if (alive_ != p.alive || locks != p.locks || pinned != p.pinned)
+      fail("pool " + std::to_string(pid) + " counters out of date");
+  }
+  if (resident != resident_bytes) fail("resident byte count out of date");
+  for (int64_t rid = 0; rid < static_cast<int64_t>(recipes_.size()); ++rid) {
+    const RecipeRec& r = recipes_[rid];
+    if (!r.used) continue;
+    int64_t kept = 0;
+    for (int64_t o : r.outputs) kept += o >= 0;
+    if (kept != r.kept || r.kept == 0) fail("recipe " + std::to_string(rid) + " kept count");
+    for (int64_t i : r.inputs)
+      if (!tensors_[i].used || !contains(tensors_[i].consumers, rid))
+        fail("recipe " + std::to_string(rid) + " input lost");
+  }
+}
+
+}  // namespace dtr

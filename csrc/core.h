@@ -1,0 +1,185 @@
+// dtr core: the bookkeeping of Dynamic Tensor Rematerialization, with no PyObjects.
+//
+// This is a line-for-line port of dtr/_pycore.py (the reference). Both must make the
+// same decisions on the same event sequence; tests/test_core.py drives both and compares.
+// Keep the order of every loop and every floating-point sum identical to the twin.
+//
+// Records are addressed by small integers that are reused only after the driver has
+// drained them (see drain()). Numbered invariants: dtr/NOTES.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace dtr {
+
+enum OutputKind : int64_t { kNew = 0, kView = 1, kVersion = 2 };
+
+enum Heuristic : int {
+  kDTR = 0,
+  kDTREq = 1,
+  kDTRLocal = 2,
+  kLRU = 3,
+  kSize = 4,
+  kMSPS = 5,
+  kRandom = 6,
+};
+
+const std::vector<std::string>& heuristic_names();
+
+struct TensorRec {
+  int64_t pool = -1;
+  int64_t recipe = -1;
+  int64_t ext = 0;
+  int64_t lock = 0;
+  bool mat = false;
+  bool used = false;
+  std::vector<int64_t> consumers;
+};
+
+struct PoolRec {
+  int64_t nbytes = 0;
+  bool resident = false;
+  bool constant = false;
+  bool used = false;
+  int64_t pinned = 0;  // kept members without a recipe: the pool cannot be evicted
+  int64_t alive = 0;   // members with ext > 0
+  int64_t locks = 0;   // sum of member locks
+  double last_access = 0.0;
+  double cost = 0.0;  // sum of the distinct recipes of its members
+  int64_t uf = -1;    // union-find node while evicted (dtr_eq)
+  // The program dropped its last handle while the pool could not be evicted (locked, or
+  // holding an unrecomputable member): evict as soon as it can be (Invariant 5).
+  bool doomed = false;
+  std::vector<int64_t> members;
+};
+
+struct Frame {
+  int64_t tid;
+  std::vector<int64_t> locks;
+};
+
+struct RecipeRec {
+  std::vector<int64_t> inputs;
+  std::vector<int64_t> outputs;
+  std::vector<int64_t> nbytes;
+  std::vector<int64_t> version_of;  // per output: the tensor it updated in place, or -1
+  double cost = 0.0;
+  int64_t kept = 0;
+  bool used = false;
+};
+
+class Core {
+ public:
+  Core(const std::string& heuristic, int64_t budget, uint64_t seed, int64_t min_evict_bytes);
+
+  // recording
+  int64_t new_constant(int64_t nbytes);  // starts with one handle (the op in flight)
+  std::vector<int64_t> record(const std::vector<int64_t>& inputs, double cost,
+                              const std::vector<int64_t>& kinds,
+                              const std::vector<int64_t>& refs,
+                              const std::vector<int64_t>& nbytes);
+  // handles
+  void retain(int64_t tid);
+  void release(int64_t tid);
+  void lock(int64_t tid);
+  void unlock(int64_t tid);
+  void pin(int64_t tid);
+  std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> drain();
+  // eviction
+  bool make_room(int64_t extra);
+  int64_t evict_all();
+  // rematerialization (see the note above remat_begin in core.cpp)
+  void remat_begin(int64_t tid);
+  int64_t remat_step();
+  void remat_abort();
+  std::vector<int64_t> steals(int64_t rid) const;
+  int64_t remat_bytes(int64_t rid) const;
+  void remat_done(int64_t rid, const std::vector<int64_t>& nbytes,
+                  const std::vector<int64_t>& stolen);
+  // queries
+  bool is_materialized(int64_t tid) const { return T(tid).mat; }
+  bool is_private(int64_t tid) const;
+  bool is_constant(int64_t tid) const { return P(T(tid).pool).constant; }
+  bool has_consumers(int64_t tid) const { return !T(tid).consumers.empty(); }
+  int64_t recipe_of(int64_t tid) const { return T(tid).recipe; }
+  int64_t ext(int64_t tid) const { return T(tid).ext; }
+  std::vector<int64_t> members(int64_t tid) const { return P(T(tid).pool).members; }
+  int64_t pool_of(int64_t tid) const { return T(tid).pool; }
+  int64_t pool_bytes(int64_t tid) const { return P(T(tid).pool).nbytes; }
+  std::vector<int64_t> descendants(const std::vector<int64_t>& seeds) const;
+  std::vector<int64_t> alive() const;
+  int64_t pinned_bytes() const;
+  int64_t constant_bytes() const;
+  int64_t locked_bytes() const;
+  std::vector<std::pair<int64_t, int64_t>> largest_pinned(int64_t k) const;
+  std::tuple<int64_t, int64_t, int64_t> counts() const;
+  void check() const;
+
+  std::string heuristic;
+  int64_t budget;
+  int64_t min_evict_bytes;
+  double now = 0.0;
+  int64_t resident_bytes = 0;
+  int64_t peak_bytes = 0;
+  int64_t max_bytes = 0;
+  int64_t ops = 0;
+  int64_t remats = 0;
+  double remat_cost = 0.0;
+  int64_t evictions = 0;
+  int64_t eager_evictions = 0;
+
+ private:
+  const TensorRec& T(int64_t tid) const;
+  TensorRec& T(int64_t tid);
+  const PoolRec& P(int64_t pid) const;
+  PoolRec& P(int64_t pid);
+  RecipeRec& R(int64_t rid);
+  const RecipeRec& R(int64_t rid) const;
+
+  int64_t new_tensor(int64_t pool, int64_t recipe, int64_t ext, bool mat);
+  int64_t new_pool(int64_t nbytes, bool resident, bool constant);
+  int64_t alloc_recipe(const std::vector<int64_t>& inputs, double cost);
+  void add_resident(int64_t nbytes);
+  void pool_cost(PoolRec& p);
+  int64_t version(int64_t old, int64_t rid);
+  bool droppable(const TensorRec& t) const;
+  void maybe_drop(int64_t tid);
+  void drop(std::vector<int64_t> stack);
+  void drop_recipe(int64_t rid);
+  std::vector<int64_t> release_recipe(int64_t rid);
+  void free_pool(int64_t pid);
+  bool evictable(const PoolRec& p) const;
+  void maybe_eager_evict(int64_t pid);
+  void evict(int64_t pid);
+  int64_t choose();
+  double score(int64_t pid, const PoolRec& p);
+  void pool_parents(int64_t pid, std::vector<int64_t>& out) const;
+  void pool_children(int64_t pid, std::vector<int64_t>& out) const;
+  double neighborhood(int64_t pid, bool up, bool down);
+  int64_t uf_find(int64_t x);
+  void mark_evicted(int64_t pid);
+  void uf_leave(PoolRec& p);
+  double eq_neighbors(int64_t pid);
+  uint64_t next_random();
+  void pop_frame();
+
+  int h_;
+  uint64_t rng_;
+  std::vector<TensorRec> tensors_;
+  std::vector<PoolRec> pools_;
+  std::vector<RecipeRec> recipes_;
+  std::vector<int64_t> free_t_, free_p_, free_r_;
+  std::vector<int64_t> dropped_t_, dropped_r_, dropped_p_;
+  std::vector<int64_t> evicted_;
+  std::vector<int64_t> uf_parent_;
+  std::vector<double> uf_cost_;
+  int64_t evicted_pools_ = 0;
+  std::vector<Frame> frames_;
+  std::vector<uint64_t> visit_;  // per-pool epoch marks for neighbourhood walks
+  uint64_t epoch_ = 0;
+};
+
+}  // namespace dtr

@@ -1,0 +1,35 @@
+"""dtr: Dynamic Tensor Rematerialization for PyTorch.
+
+Train under a memory budget with no model changes: when resident memory passes the
+budget, dtr evicts the tensor that is cheapest to recompute per byte and stale, and
+recomputes it from its lineage when it is needed again, backward included.
+
+    import dtr
+    with dtr.enable(budget="2GiB") as session:
+        loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
+    print(session.stats())
+"""
+
+from ._pycore import HEURISTICS
+from .config import DTRConfig
+from .errors import BudgetError, ConfigError, DTRError, InternalError, UnsupportedError
+from .session import Session, enable, materialize
+from .stats import Stats
+from .tensor import CheckpointTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HEURISTICS",
+    "BudgetError",
+    "CheckpointTensor",
+    "ConfigError",
+    "DTRConfig",
+    "DTRError",
+    "InternalError",
+    "Session",
+    "Stats",
+    "UnsupportedError",
+    "enable",
+    "materialize",
+]

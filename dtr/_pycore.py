@@ -1,0 +1,808 @@
+"""Pure-Python twin of the C++ bookkeeping core (``csrc/core.cpp``).
+
+This is the reference implementation: every decision the C++ core makes (which pool to
+evict, what to recompute, when lineage is dropped) must be made identically here, and the
+core tests drive both with the same event sequences and compare. Keep the two files in
+step; the algorithms are written in the same order so that floating-point sums agree bit
+for bit.
+
+The core knows nothing about torch. It holds three kinds of records, all addressed by
+small integers that are reused after the driver has drained them:
+
+* **tensor** (tid): one immutable value. Its producing recipe, the pool holding its
+  storage, how many external handles (``ext``) the program holds, lock count, and
+  whether the value is currently materialized.
+* **pool** (pid): one storage, the unit of eviction and of accounting. All views of a
+  storage are members of one pool; a pool is resident or evicted as a whole.
+* **recipe** (rid): one op call. Its inputs, its outputs (shared by all of them), its
+  cost. Recomputing it refills every kept output.
+
+See ``dtr/NOTES.md`` for the numbered invariants that the comments cite.
+"""
+
+from __future__ import annotations
+
+import math
+
+HEURISTICS = ("dtr", "dtr_eq", "dtr_local", "lru", "size", "msps", "random")
+
+# Output kinds for record(): a fresh storage, a view of an input, or a new version of a
+# tensor mutated in place (Invariant 4: the old value keeps its lineage).
+NEW, VIEW, VERSION = 0, 1, 2
+
+_MASK64 = (1 << 64) - 1
+
+
+class CoreError(RuntimeError):
+    """A request the core cannot serve (e.g. recomputing a tensor with no recipe)."""
+
+
+class _Tensor:
+    __slots__ = ("pool", "recipe", "ext", "lock", "mat", "consumers")
+
+    def __init__(self, pool: int, recipe: int, ext: int, mat: bool):
+        self.pool = pool
+        self.recipe = recipe
+        self.ext = ext
+        self.lock = 0
+        self.mat = mat
+        self.consumers: list[int] = []
+
+
+class _Pool:
+    __slots__ = (
+        "nbytes", "resident", "constant", "pinned", "members", "alive", "locks",
+        "last_access", "cost", "uf", "doomed",
+    )
+
+    def __init__(self, nbytes: int, resident: bool, constant: bool, now: float):
+        self.nbytes = nbytes
+        self.resident = resident
+        self.constant = constant
+        self.pinned = 0  # kept members without a recipe: the pool cannot be evicted
+        self.members: list[int] = []
+        self.alive = 0  # members with ext > 0
+        self.locks = 0  # sum of member locks
+        self.last_access = now
+        self.cost = 0.0  # sum of the distinct recipes of its members
+        self.uf = -1  # union-find node while evicted (dtr_eq)
+        # The program dropped its last handle while the pool could not be evicted (locked,
+        # or holding an unrecomputable member): evict as soon as it can be (Invariant 5).
+        self.doomed = False
+
+
+class _Frame:
+    __slots__ = ("tid", "locks")
+
+    def __init__(self, tid: int):
+        self.tid = tid
+        self.locks: list[int] = []
+
+
+class _Recipe:
+    __slots__ = ("inputs", "outputs", "nbytes", "version_of", "cost", "kept")
+
+    def __init__(self, inputs: list[int], cost: float):
+        self.inputs = inputs
+        self.outputs: list[int] = []
+        self.nbytes: list[int] = []  # bytes of each fresh output storage (0 for views)
+        self.version_of: list[int] = []  # per output: the tensor it updated in place, or -1
+        self.cost = cost
+        self.kept = 0
+
+
+class PyCore:
+    """Bookkeeping, heuristics and victim selection. Same interface as ``dtr._C.Core``."""
+
+    def __init__(self, heuristic: str = "dtr", budget: int = -1, seed: int = 0,
+                 min_evict_bytes: int = 0):
+        if heuristic not in HEURISTICS:
+            raise CoreError(f"dtr: unknown heuristic {heuristic!r}")
+        self.heuristic = heuristic
+        self._h = HEURISTICS.index(heuristic)
+        self.budget = int(budget)
+        self.min_evict_bytes = int(min_evict_bytes)
+        self._rng = seed & _MASK64
+        self._T: list[_Tensor | None] = []
+        self._P: list[_Pool | None] = []
+        self._R: list[_Recipe | None] = []
+        self._free_t: list[int] = []
+        self._free_p: list[int] = []
+        self._free_r: list[int] = []
+        # Ids dropped since the last drain(); reused only after the driver has seen them.
+        self._dropped_t: list[int] = []
+        self._dropped_r: list[int] = []
+        self._dropped_p: list[int] = []
+        self._evicted: list[int] = []  # tensors whose values the driver must release
+        self._uf_parent: list[int] = []
+        self._uf_cost: list[float] = []
+        self._evicted_pools = 0
+        self._frames: list[_Frame] = []
+        self.now = 0.0
+        self.resident_bytes = 0
+        self.peak_bytes = 0
+        self.max_bytes = 0  # including the transient outputs of an op before eviction
+        self.ops = 0
+        self.remats = 0
+        self.remat_cost = 0.0
+        self.evictions = 0
+        self.eager_evictions = 0
+
+    # ------------------------------------------------------------------ allocation
+    def _new_tensor(self, pool: int, recipe: int, ext: int, mat: bool) -> int:
+        t = _Tensor(pool, recipe, ext, mat)
+        if self._free_t:
+            tid = self._free_t.pop()
+            self._T[tid] = t
+        else:
+            tid = len(self._T)
+            self._T.append(t)
+        p = self._P[pool]
+        p.members.append(tid)
+        if ext > 0:
+            p.alive += 1
+        if recipe < 0 and not p.constant:
+            p.pinned += 1
+        return tid
+
+    def _new_pool(self, nbytes: int, resident: bool, constant: bool) -> int:
+        p = _Pool(nbytes, resident, constant, self.now)
+        if self._free_p:
+            pid = self._free_p.pop()
+            self._P[pid] = p
+        else:
+            pid = len(self._P)
+            self._P.append(p)
+        if resident:
+            self._add_resident(nbytes)
+        return pid
+
+    def _add_resident(self, nbytes: int) -> None:
+        self.resident_bytes += nbytes
+        if self.resident_bytes > self.max_bytes:
+            self.max_bytes = self.resident_bytes
+
+    def _pool_cost(self, p: _Pool) -> None:
+        # Sum of the distinct recipes of the members, in member order.
+        seen: list[int] = []
+        cost = 0.0
+        for m in p.members:
+            r = self._T[m].recipe
+            if r >= 0 and r not in seen:
+                seen.append(r)
+                cost += self._R[r].cost
+        p.cost = cost
+
+    # ------------------------------------------------------------------ recording
+    def new_constant(self, nbytes: int) -> int:
+        """A tensor the runtime did not create (parameter, input): never evicted
+        (Invariant 3), counted while a recipe reads it. It starts with one handle, which
+        the driver releases once the op that reads it is recorded."""
+        pid = self._new_pool(int(nbytes), True, True)
+        return self._new_tensor(pid, -1, 1, True)
+
+    def record(self, inputs: list[int], cost: float, kinds: list[int], refs: list[int],
+               nbytes: list[int]) -> list[int]:
+        """Record one op call that has just run; returns the tids of its outputs.
+
+        Each output k is NEW (fresh storage of nbytes[k]), VIEW (joins the pool of tensor
+        refs[k]) or VERSION (the in-place update of tensor refs[k]: the new tensor takes
+        over its storage, and the old value moves to a fresh evicted pool with its
+        lineage intact; the external handles move to the new tensor).
+        """
+        self.ops += 1
+        rid = self._alloc_recipe(list(inputs), float(cost))
+        r = self._R[rid]
+        for i in r.inputs:
+            self._T[i].consumers.append(rid)
+            self._P[self._T[i].pool].last_access = self.now
+        self.now += r.cost
+        outs = []
+        for k in range(len(kinds)):
+            kind = kinds[k]
+            if kind == NEW:
+                pid = self._new_pool(int(nbytes[k]), True, False)
+                tid = self._new_tensor(pid, rid, 1, True)
+                r.nbytes.append(int(nbytes[k]))
+                r.version_of.append(-1)
+            elif kind == VIEW:
+                pid = self._T[refs[k]].pool
+                tid = self._new_tensor(pid, rid, 1, True)
+                r.nbytes.append(0)
+                r.version_of.append(-1)
+            elif kind == VERSION:
+                tid = self._version(refs[k], rid)
+                r.nbytes.append(self._P[self._T[tid].pool].nbytes)
+                r.version_of.append(refs[k])
+            else:
+                raise CoreError(f"dtr: bad output kind {kind}")
+            r.outputs.append(tid)
+            r.kept += 1
+            p = self._P[self._T[tid].pool]
+            p.last_access = self.now
+            self._pool_cost(p)
+            outs.append(tid)
+        if r.kept == 0:
+            self._drop_recipe(rid)
+        return outs
+
+    def _alloc_recipe(self, inputs: list[int], cost: float) -> int:
+        r = _Recipe(inputs, cost)
+        if self._free_r:
+            rid = self._free_r.pop()
+            self._R[rid] = r
+        else:
+            rid = len(self._R)
+            self._R.append(r)
+        return rid
+
+    def _version(self, old: int, rid: int) -> int:
+        # Invariant 4: the storage now holds the new value; every old member moves to a
+        # fresh, evicted pool so that it is recomputed into new storage when needed.
+        to = self._T[old]
+        pid = to.pool
+        p = self._P[pid]
+        ext = to.ext
+        old_pid = self._new_pool(p.nbytes, False, False)
+        op = self._P[old_pid]
+        op.members = p.members
+        op.last_access = p.last_access
+        op.locks = p.locks
+        op.pinned = p.pinned
+        p.members = []
+        p.locks = 0
+        p.pinned = 0
+        p.alive = 0
+        to.ext = 0
+        for m in op.members:
+            tm = self._T[m]
+            tm.pool = old_pid
+            if tm.ext > 0:
+                op.alive += 1
+            if tm.mat:
+                tm.mat = False
+                self._evicted.append(m)
+        self._pool_cost(op)
+        self._mark_evicted(old_pid)
+        return self._new_tensor(pid, rid, ext, True)
+
+    # ------------------------------------------------------------------ handles
+    def retain(self, tid: int) -> None:
+        t = self._T[tid]
+        if t.ext == 0:
+            p = self._P[t.pool]
+            p.alive += 1
+            p.doomed = False
+        t.ext += 1
+
+    def release(self, tid: int) -> None:
+        """The program dropped one handle; a pool nobody holds is freed at once
+        (Invariant 5), its lineage kept only while something still needs it."""
+        t = self._T[tid]
+        if t.ext <= 0:
+            raise CoreError(f"dtr: release of tensor {tid} with no handles")
+        t.ext -= 1
+        if t.ext == 0:
+            pid = t.pool
+            p = self._P[pid]
+            p.alive -= 1
+            if p.alive == 0:
+                p.doomed = True
+            self._maybe_drop(tid)
+            self._maybe_eager_evict(pid)
+
+    def lock(self, tid: int) -> None:
+        """Invariant 2: a locked tensor's pool is not evicted until it is unlocked."""
+        t = self._T[tid]
+        t.lock += 1
+        p = self._P[t.pool]
+        p.locks += 1
+        p.last_access = self.now
+
+    def unlock(self, tid: int) -> None:
+        t = self._T[tid]
+        if t.lock <= 0:
+            raise CoreError(f"dtr: unlock of tensor {tid} that is not locked")
+        t.lock -= 1
+        pid = t.pool
+        self._P[pid].locks -= 1
+        if t.lock == 0:
+            self._maybe_drop(tid)
+        self._maybe_eager_evict(pid)
+
+    def pin(self, tid: int) -> None:
+        """Cut a tensor's lineage: it becomes unrecomputable, so its pool is never
+        evicted (Invariant 3); ancestors nobody else needs are dropped."""
+        t = self._T[tid]
+        if t is None:  # dropped earlier in the same invalidation
+            return
+        rid = t.recipe
+        if rid < 0:
+            return
+        r = self._R[rid]
+        r.outputs[r.outputs.index(tid)] = -1
+        r.kept -= 1
+        t.recipe = -1
+        p = self._P[t.pool]
+        if not p.constant:
+            p.pinned += 1
+        self._pool_cost(p)
+        if r.kept == 0:
+            self._drop_recipe(rid)
+        self._maybe_drop(tid)
+
+    # ------------------------------------------------------------------ dropping
+    def _droppable(self, t: _Tensor) -> bool:
+        return t.ext == 0 and t.lock == 0 and not t.consumers
+
+    def _maybe_drop(self, tid: int) -> None:
+        if self._droppable(self._T[tid]):
+            self._drop([tid])
+
+    def _drop(self, stack: list[int]) -> None:
+        # Iterative (Invariant 7): lineage chains can be long.
+        while stack:
+            tid = stack.pop()
+            t = self._T[tid]
+            if t is None or not self._droppable(t):
+                continue
+            pid = t.pool
+            p = self._P[pid]
+            p.members.remove(tid)
+            if t.recipe >= 0:
+                r = self._R[t.recipe]
+                r.outputs[r.outputs.index(tid)] = -1
+                r.kept -= 1
+                if r.kept == 0:
+                    for i in self._release_recipe(t.recipe):
+                        stack.append(i)
+            elif not p.constant:
+                p.pinned -= 1
+            self._T[tid] = None
+            self._dropped_t.append(tid)
+            if not p.members:
+                self._free_pool(pid)
+            else:
+                self._pool_cost(p)
+                self._maybe_eager_evict(pid)
+
+    def _drop_recipe(self, rid: int) -> None:
+        self._drop(self._release_recipe(rid))
+
+    def _release_recipe(self, rid: int) -> list[int]:
+        r = self._R[rid]
+        for i in r.inputs:
+            self._T[i].consumers.remove(rid)
+        self._R[rid] = None
+        self._dropped_r.append(rid)
+        return [i for i in r.inputs if self._droppable(self._T[i])]
+
+    def _free_pool(self, pid: int) -> None:
+        p = self._P[pid]
+        if p.resident:
+            self.resident_bytes -= p.nbytes
+        elif p.uf >= 0:
+            self._uf_leave(p)
+        self._P[pid] = None
+        self._dropped_p.append(pid)
+
+    def drain(self) -> tuple[list[int], list[int], list[int]]:
+        """(evicted tids, dropped tids, dropped rids) since the last call. The driver
+        releases the values of evicted tensors and forgets dropped ones; only then are
+        their ids reused."""
+        ev, dt, dr = self._evicted, self._dropped_t, self._dropped_r
+        self._evicted, self._dropped_t, self._dropped_r = [], [], []
+        self._free_t.extend(dt)
+        self._free_r.extend(dr)
+        self._free_p.extend(self._dropped_p)
+        self._dropped_p = []
+        return ev, dt, dr
+
+    # ------------------------------------------------------------------ eviction
+    def _evictable(self, p: _Pool) -> bool:
+        return (p.resident and not p.constant and p.pinned == 0 and p.locks == 0
+                and p.nbytes > 0)
+
+    def _maybe_eager_evict(self, pid: int) -> None:
+        # Only pools the program let go of: tensors rebuilt for lineage stay resident
+        # until a heuristic picks them (they are often needed again at once).
+        p = self._P[pid]
+        if p is not None and p.doomed and p.alive == 0 and self._evictable(p):
+            self._evict(pid)
+            self.eager_evictions += 1
+
+    def _evict(self, pid: int) -> None:
+        p = self._P[pid]
+        p.resident = False
+        p.doomed = False
+        self.resident_bytes -= p.nbytes
+        for m in p.members:
+            t = self._T[m]
+            if t.mat:
+                t.mat = False
+                self._evicted.append(m)
+        self._mark_evicted(pid)
+
+    def make_room(self, extra: int = 0) -> bool:
+        """Evict until resident + extra fits the budget (Invariant 6). False if no
+        victim is left; the caller reports the budget error."""
+        if self.budget >= 0:
+            while self.resident_bytes + extra > self.budget:
+                v = self._choose()
+                if v < 0:
+                    return False
+                self._evict(v)
+                self.evictions += 1
+        if self.resident_bytes > self.peak_bytes:
+            self.peak_bytes = self.resident_bytes
+        return True
+
+    def evict_all(self) -> int:
+        """Stress mode: evict every evictable pool."""
+        n = 0
+        for pid, p in enumerate(self._P):
+            if p is not None and self._evictable(p):
+                self._evict(pid)
+                self.evictions += 1
+                n += 1
+        return n
+
+    def _choose(self) -> int:
+        best, best_score = -1, math.inf
+        if self._h == 6:  # random: uniform over the candidates
+            cands = [pid for pid, p in enumerate(self._P) if p is not None
+                     and self._evictable(p) and p.nbytes >= self.min_evict_bytes]
+            if not cands:
+                return -1
+            return cands[self._next_random() % len(cands)]
+        for pid, p in enumerate(self._P):
+            if p is None or not self._evictable(p) or p.nbytes < self.min_evict_bytes:
+                continue
+            s = self._score(pid, p)
+            if best < 0 or s < best_score:
+                best, best_score = pid, s
+        return best
+
+    def _score(self, pid: int, p: _Pool) -> float:
+        h = self._h
+        m = float(p.nbytes)
+        stale = self.now - p.last_access
+        if h == 4:  # size
+            return 1.0 / m if m > 0 else math.inf
+        if h == 5:  # msps: (c + evicted ancestors) / m, Capuchin
+            c = p.cost + self._neighborhood(pid, True, False)
+            return c / m if m > 0 else math.inf
+        denom = m * stale
+        if h == 3:  # lru
+            return 1.0 / stale if stale > 0 else math.inf
+        if h == 0:  # dtr: exact evicted neighbourhood
+            c = p.cost + self._neighborhood(pid, True, True)
+        elif h == 1:  # dtr_eq: union-find classes of evicted neighbours
+            c = p.cost + self._eq_neighbors(pid)
+        else:  # dtr_local
+            c = p.cost
+        return c / denom if denom > 0 else math.inf
+
+    # ------------------------------------------------------------------ neighbourhoods
+    def _pool_parents(self, pid: int) -> list[int]:
+        out = []
+        for m in self._P[pid].members:
+            r = self._T[m].recipe
+            if r >= 0:
+                for i in self._R[r].inputs:
+                    out.append(self._T[i].pool)
+        return out
+
+    def _pool_children(self, pid: int) -> list[int]:
+        out = []
+        for m in self._P[pid].members:
+            for r in self._T[m].consumers:
+                for o in self._R[r].outputs:
+                    if o >= 0:
+                        out.append(self._T[o].pool)
+        return out
+
+    def _neighborhood(self, pid: int, up: bool, down: bool) -> float:
+        """Sum of the costs of evicted pools reachable from pid through evicted pools:
+        ancestors (up) and descendants (down). The paper's e*(t)."""
+        total = 0.0
+        for direction in (0, 1):
+            if (direction == 0 and not up) or (direction == 1 and not down):
+                continue
+            seen = {pid}
+            stack = [pid]
+            while stack:
+                q = stack.pop()
+                nbrs = self._pool_parents(q) if direction == 0 else self._pool_children(q)
+                for n in nbrs:
+                    if n in seen:
+                        continue
+                    seen.add(n)
+                    pn = self._P[n]
+                    if pn.resident:
+                        continue
+                    total += pn.cost
+                    stack.append(n)
+        return total
+
+    def _uf_find(self, x: int) -> int:
+        root = x
+        while self._uf_parent[root] != root:
+            root = self._uf_parent[root]
+        while self._uf_parent[x] != root:
+            self._uf_parent[x], x = root, self._uf_parent[x]
+        return root
+
+    def _mark_evicted(self, pid: int) -> None:
+        if self._h != 1:
+            return
+        self._evicted_pools += 1
+        p = self._P[pid]
+        node = len(self._uf_parent)
+        self._uf_parent.append(node)
+        self._uf_cost.append(p.cost)
+        p.uf = node
+        for n in self._pool_parents(pid) + self._pool_children(pid):
+            pn = self._P[n]
+            if n == pid or pn.resident or pn.uf < 0:
+                continue
+            a, b = self._uf_find(pn.uf), self._uf_find(node)
+            if a != b:
+                self._uf_parent[a] = b
+                self._uf_cost[b] += self._uf_cost[a]
+
+    def _uf_leave(self, p: _Pool) -> None:
+        # Union-find cannot split: the pool's cost leaves its class, the node stays.
+        root = self._uf_find(p.uf)
+        self._uf_cost[root] -= p.cost
+        p.uf = -1
+        self._evicted_pools -= 1
+        if self._evicted_pools == 0:
+            self._uf_parent.clear()
+            self._uf_cost.clear()
+
+    def _eq_neighbors(self, pid: int) -> float:
+        roots: list[int] = []
+        total = 0.0
+        for n in self._pool_parents(pid) + self._pool_children(pid):
+            pn = self._P[n]
+            if n == pid or pn.resident or pn.uf < 0:
+                continue
+            r = self._uf_find(pn.uf)
+            if r not in roots:
+                roots.append(r)
+                total += self._uf_cost[r]
+        return total
+
+    def _next_random(self) -> int:
+        # splitmix64, identical in the C++ core.
+        self._rng = (self._rng + 0x9E3779B97F4A7C15) & _MASK64
+        z = self._rng
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return z ^ (z >> 31)
+
+    # ------------------------------------------------------------------ rematerialization
+    # Rematerialization walks a stack of frames, one per tensor being rebuilt (Invariant
+    # 7: iterative, never recursive). A frame locks an input only once it is known to be
+    # materialized: a child it rebuilt is locked for it as the child finishes, and inputs
+    # that were already resident are locked only when the frame's recipe is about to run.
+    # Until then they may be evicted (and are rebuilt if they were), so a long chain does
+    # not pin every side input along it. Each frame gains a lock per finished child, so
+    # the walk terminates.
+    def remat_begin(self, tid: int) -> None:
+        """Start rebuilding tid (which the caller holds locked)."""
+        if self._frames:
+            raise CoreError("dtr: a rematerialization is already in progress")
+        self._frames = [_Frame(tid)]
+
+    def remat_step(self) -> int:
+        """The next recipe to rerun, its inputs materialized and locked; -1 when done."""
+        frames = self._frames
+        while frames:
+            f = frames[-1]
+            t = self._T[f.tid]
+            if t.mat:
+                self._pop_frame()
+                continue
+            if t.recipe < 0:
+                raise CoreError(f"dtr: tensor {f.tid} is evicted and has no recipe")
+            r = self._R[t.recipe]
+            missing = -1
+            for i in r.inputs:
+                if not self._T[i].mat:
+                    missing = i
+                    break
+            if missing >= 0:
+                frames.append(_Frame(missing))
+                continue
+            held = list(f.locks)
+            for i in r.inputs:
+                if i in held:
+                    held.remove(i)
+                else:
+                    self.lock(i)
+                    f.locks.append(i)
+            return t.recipe
+        return -1
+
+    def _pop_frame(self) -> None:
+        f = self._frames.pop()
+        if self._frames:  # lock the finished child for its parent before letting go
+            self.lock(f.tid)
+            self._frames[-1].locks.append(f.tid)
+        for i in f.locks:
+            self.unlock(i)
+
+    def remat_abort(self) -> None:
+        """Release every lock of an interrupted rematerialization."""
+        frames, self._frames = self._frames, []
+        for f in frames:
+            for i in f.locks:
+                self.unlock(i)
+
+    def steals(self, rid: int) -> list[int]:
+        """Outputs k of an in-place recipe that may be recomputed in the storage of the
+        tensor they updated, instead of a copy: that tensor is materialized, nobody holds
+        it, only this recipe has it locked, and nothing else in its pool is materialized
+        (a dropout mask built by empty_like -> bernoulli_ -> div_ then needs one buffer,
+        not three)."""
+        r = self._R[rid]
+        out = []
+        for k, old in enumerate(r.version_of):
+            if old < 0 or r.outputs[k] < 0:
+                continue
+            t = self._T[old]
+            p = self._P[t.pool]
+            if (t.mat and t.ext == 0 and t.lock == 1 and p.pinned == 0 and not p.constant
+                    and all(m == old or not self._T[m].mat for m in p.members)):
+                out.append(k)
+        return out
+
+    def remat_bytes(self, rid: int) -> int:
+        """Bytes the recipe allocates when rerun: its fresh outputs, less the storage it
+        takes over from the tensors it updates in place (see steals())."""
+        r = self._R[rid]
+        stolen = self.steals(rid)
+        return sum(b for k, b in enumerate(r.nbytes) if k not in stolen)
+
+    def remat_done(self, rid: int, nbytes: list[int], stolen: list[int] = ()) -> None:
+        """The recipe was rerun: its kept outputs are materialized (its inputs stay locked
+        until remat_step() moves on). nbytes[k] is the measured storage size of output k (fresh outputs); stolen lists
+        the outputs computed in the storage of the tensor they update (see steals())."""
+        r = self._R[rid]
+        self.remats += 1
+        self.remat_cost += r.cost
+        self.now += r.cost
+        for k in stolen:
+            old = self._T[r.version_of[k]]
+            old.mat = False
+            self._evicted.append(r.version_of[k])
+            p = self._P[old.pool]
+            p.resident = False
+            self.resident_bytes -= p.nbytes
+            self._mark_evicted(old.pool)
+        for k, o in enumerate(r.outputs):
+            if o < 0:
+                continue
+            t = self._T[o]
+            if t.mat:
+                continue
+            p = self._P[t.pool]
+            if not p.resident:
+                if k < len(nbytes) and nbytes[k] > 0:
+                    p.nbytes = int(nbytes[k])
+                p.resident = True
+                if p.uf >= 0:
+                    self._uf_leave(p)
+                self._add_resident(p.nbytes)
+            t.mat = True
+            p.last_access = self.now
+        for i in r.inputs:
+            self._P[self._T[i].pool].last_access = self.now
+
+    # ------------------------------------------------------------------ queries
+    def is_materialized(self, tid: int) -> bool:
+        return self._T[tid].mat
+
+    def is_private(self, tid: int) -> bool:
+        """True when tid may be updated in place by versioning: it is the only member of
+        its pool the program holds, and every member can be recomputed."""
+        t = self._T[tid]
+        p = self._P[t.pool]
+        return (not p.constant and p.pinned == 0 and t.recipe >= 0 and t.ext > 0
+                and p.alive == 1)
+
+    def is_constant(self, tid: int) -> bool:
+        return self._P[self._T[tid].pool].constant
+
+    def has_consumers(self, tid: int) -> bool:
+        return bool(self._T[tid].consumers)
+
+    def recipe_of(self, tid: int) -> int:
+        return self._T[tid].recipe
+
+    def ext(self, tid: int) -> int:
+        return self._T[tid].ext
+
+    def members(self, tid: int) -> list[int]:
+        return list(self._P[self._T[tid].pool].members)
+
+    def pool_of(self, tid: int) -> int:
+        return self._T[tid].pool
+
+    def pool_bytes(self, tid: int) -> int:
+        return self._P[self._T[tid].pool].nbytes
+
+    def descendants(self, seeds: list[int]) -> list[int]:
+        """Every kept tensor whose lineage reads one of seeds (seeds excluded)."""
+        seen = set(seeds)
+        out: list[int] = []
+        stack = list(seeds)
+        while stack:
+            t = stack.pop()
+            for r in self._T[t].consumers:
+                for o in self._R[r].outputs:
+                    if o >= 0 and o not in seen:
+                        seen.add(o)
+                        out.append(o)
+                        stack.append(o)
+        return out
+
+    def alive(self) -> list[int]:
+        """Managed tensors the program still holds."""
+        return [tid for tid, t in enumerate(self._T)
+                if t is not None and t.ext > 0 and not self._P[t.pool].constant]
+
+    def pinned_bytes(self) -> int:
+        return sum(p.nbytes for p in self._P
+                   if p is not None and p.resident and (p.constant or p.pinned > 0))
+
+    def constant_bytes(self) -> int:
+        return sum(p.nbytes for p in self._P if p is not None and p.constant)
+
+    def locked_bytes(self) -> int:
+        return sum(p.nbytes for p in self._P if p is not None and p.resident
+                   and not p.constant and p.pinned == 0 and p.locks > 0)
+
+    def largest_pinned(self, k: int) -> list[tuple[int, int]]:
+        """(a member tid, bytes) of the k largest resident pools that cannot be evicted."""
+        rows = [(p.nbytes, p.members[0]) for p in self._P if p is not None and p.resident
+                and p.members and (p.constant or p.pinned > 0 or p.locks > 0)]
+        rows.sort(key=lambda r: (-r[0], r[1]))
+        return [(tid, nb) for nb, tid in rows[:k]]
+
+    def counts(self) -> tuple[int, int, int]:
+        """Live (tensors, pools, recipes)."""
+        return (sum(t is not None for t in self._T), sum(p is not None for p in self._P),
+                sum(r is not None for r in self._R))
+
+    def check(self) -> None:
+        """Verify the internal invariants; raises CoreError on the first violation."""
+        resident = 0
+        for pid, p in enumerate(self._P):
+            if p is None:
+                continue
+            if p.resident:
+                resident += p.nbytes
+            alive = sum(1 for m in p.members if self._T[m].ext > 0)
+            locks = sum(self._T[m].lock for m in p.members)
+            pinned = sum(1 for m in p.members if self._T[m].recipe < 0) if not p.constant else 0
+            if (alive, locks, pinned) != (p.alive, p.locks, p.pinned):
+                raise CoreError(f"dtr: pool {pid} counters {(p.alive, p.locks, p.pinned)} "
+                                f"!= {(alive, locks, pinned)}")
+            for m in p.members:
+                if self._T[m].pool != pid:
+                    raise CoreError(f"dtr: tensor {m} not in its pool {pid}")
+                if self._T[m].mat and not p.resident:
+                    raise CoreError(f"dtr: tensor {m} materialized in evicted pool {pid}")
+        if resident != self.resident_bytes:
+            raise CoreError(f"dtr: resident {self.resident_bytes} != {resident}")
+        for rid, r in enumerate(self._R):
+            if r is None:
+                continue
+            if r.kept != sum(1 for o in r.outputs if o >= 0) or r.kept == 0:
+                raise CoreError(f"dtr: recipe {rid} kept count {r.kept}")
+            for i in r.inputs:
+                if self._T[i] is None or rid not in self._T[i].consumers:
+                    raise CoreError(f"dtr: recipe {rid} input {i} lost")

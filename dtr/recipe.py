@@ -1,0 +1,84 @@
+"""A recipe: everything needed to run one op call again.
+
+One recipe per op call, shared by all its outputs (a multi-output op is rerun once and
+refills every output that is still kept). It holds the op, its non-tensor arguments, and
+for each tensor argument either the Node of a managed input or the plain tensor of a
+constant; never a wrapper, so a recipe does not keep a program's handle alive.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import rng
+from .call import substitute
+from .tensor import Node
+
+# An output spec is (return index, list index) for a tensor the op returned, or
+# (-1, leaf index) for the new version of an argument the op updated in place.
+VERSION_SPEC = -1
+
+
+class Recipe:
+    __slots__ = ("func", "args", "kwargs", "where", "inputs", "clone", "specs", "rng",
+                 "outputs", "facts", "grad")
+
+    def __init__(self, func, facts, args, kwargs, where, inputs, clone, specs, captured,
+                 grad: bool):
+        self.func = func
+        self.facts = facts
+        self.args = args  # tensors replaced by None
+        self.kwargs = kwargs
+        self.where = where
+        self.inputs = inputs  # per leaf: Node (managed) or torch.Tensor (constant)
+        self.clone = clone  # leaves the op writes: replay works on a copy (Invariant 4)
+        self.specs = specs
+        self.rng = captured
+        self.grad = grad  # some kernels behave differently with grad mode on (mkldnn RNNs)
+        self.outputs: list[Node] = []  # aligned with the core's outputs of this recipe
+
+    def replay(self, stolen=()) -> list[torch.Tensor]:
+        """Run the op again on the current values of its inputs; returns the values of
+        its outputs in core order. The caller has materialized and locked the inputs.
+        Outputs listed in stolen are computed in place in their old version's storage
+        (the core allowed it); other written arguments are copied first (Invariant 4)."""
+        vals = [x.value if type(x) is Node else x.get() if type(x) is StandIn else x
+                for x in self.inputs]
+        in_place = {self.specs[k][1] for k in stolen}
+        for k in self.clone:
+            if k not in in_place:
+                vals[k] = copy_preserving_layout(vals[k])
+        args, kwargs = substitute(self.args, self.kwargs, self.where, vals)
+        with rng.replaying(self.rng), torch.set_grad_enabled(self.grad):
+            out = self.func(*args, **kwargs)
+        rets = (out,) if self.facts.nreturns == 1 else out
+        produced = []
+        for i, j in self.specs:
+            if i == VERSION_SPEC:
+                produced.append(vals[j])
+            else:
+                produced.append(rets[i] if j < 0 else rets[i][j])
+        return produced
+
+
+class StandIn:
+    """The metadata of a tensor argument of a meta-only op (empty_like, zeros_like, ...):
+    replayed as a meta tensor, so the recipe depends on no value."""
+
+    __slots__ = ("size", "stride", "dtype")
+
+    def __init__(self, t: torch.Tensor):
+        self.size = t.size()
+        self.stride = t.stride()
+        self.dtype = t.dtype
+
+    def get(self) -> torch.Tensor:
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device="meta")
+
+
+def copy_preserving_layout(t: torch.Tensor) -> torch.Tensor:
+    """A copy with the same sizes and strides, so that ops on it see the same layout
+    (and give bitwise the same results) as on the original."""
+    out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out

@@ -1,0 +1,43 @@
+"""Capture and replay of random-number state (Invariant 1).
+
+An op tagged ``nondeterministic_seeded`` (bernoulli_, normal_, native_dropout, ...) draws
+from a generator: the one passed as its ``generator=`` argument, or the default generator
+of its device. Before the op first runs we save that generator's state; a recomputation
+sets it back, runs, and restores the current state, so recomputing never shifts the
+random stream the program sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    raise NotImplementedError(f"dtr: no RNG replay for device type {device.type!r}")
+
+
+def capture(generator: torch.Generator | None, device: torch.device):
+    """State to replay later: (generator, its state now)."""
+    gen = generator if generator is not None else default_generator(device)
+    return gen, gen.get_state()
+
+
+@contextlib.contextmanager
+def replaying(captured):
+    if captured is None:
+        yield
+        return
+    gen, state = captured
+    saved = gen.get_state()
+    gen.set_state(state)
+    try:
+        yield
+    finally:
+        gen.set_state(saved)

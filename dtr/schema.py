@@ -1,0 +1,93 @@
+"""Facts about an op overload that the runtime needs on every call, computed once.
+
+The schema says which arguments an op writes (``Tensor(a!)``), whether it draws random
+numbers (``nondeterministic_seeded``), and which argument is its generator. A few ops
+write arguments without saying so in their schema; ``_HIDDEN_WRITES`` lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class OpFacts:
+    name: str
+    arg_names: tuple[str, ...]
+    arg_index: dict[str, int]
+    writes: frozenset[int]  # schema positions of the arguments the op mutates
+    seeded: bool  # draws random numbers: its RNG state is captured and replayed
+    generator: int  # schema position of its Generator argument, -1 if none
+    metadata_inplace: bool  # changes its argument's sizes/strides in place
+    fresh_returns: bool  # returns at least one tensor that is not a mutated argument
+    nreturns: int
+    view: bool  # every return aliases an argument it does not write (t, view, split, ...)
+    meta_only: bool  # reads only the sizes/strides/dtype of its tensors (empty_like, ...)
+    hidden_writes: Callable[[list], tuple[int, ...]] | None
+
+
+def _bn_writes(vals: list) -> tuple[int, ...]:
+    # native_batch_norm(input, weight, bias, running_mean, running_var, training, ...)
+    # updates the running statistics in training mode, without a (a!) in its schema.
+    if len(vals) > 5 and vals[5] and vals[3] is not None:
+        return (3, 4)
+    return ()
+
+
+_HIDDEN_WRITES: dict[str, Callable[[list], tuple[int, ...]]] = {
+    "aten::native_batch_norm": _bn_writes,
+    "aten::cudnn_batch_norm": _bn_writes,
+    "aten::miopen_batch_norm": _bn_writes,
+}
+
+# Ops that read nothing but their tensor arguments' metadata. Their recipes depend on no
+# value, so recomputing an ``empty_like(x)`` never recomputes x (dropout's mask starts so).
+_META_ONLY = {
+    "aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like",
+    "aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::new_empty",
+    "aten::new_empty_strided", "aten::new_zeros", "aten::new_ones", "aten::new_full",
+}
+
+_METADATA_INPLACE = {"aten::set_", "aten::resize_", "aten::resize_as_", "aten::resize_as_sparse_"}
+
+_CACHE: dict[object, OpFacts] = {}
+
+
+def op_facts(func) -> OpFacts:
+    facts = _CACHE.get(func)
+    if facts is None:
+        facts = _CACHE[func] = _compute(func)
+    return facts
+
+
+def _compute(func) -> OpFacts:
+    schema = func._schema
+    names = tuple(a.name for a in schema.arguments)
+    writes = frozenset(i for i, a in enumerate(schema.arguments)
+                       if a.alias_info is not None and a.alias_info.is_write)
+    generator = next((i for i, a in enumerate(schema.arguments)
+                      if str(a.type).startswith("Optional[Generator]")
+                      or str(a.type) == "Generator"), -1)
+    tags = getattr(func, "tags", ())
+    fresh = any(r.alias_info is None or not r.alias_info.is_write for r in schema.returns
+                if "Tensor" in str(r.type))
+    return OpFacts(
+        name=str(func),
+        arg_names=names,
+        arg_index={n: i for i, n in enumerate(names)},
+        writes=writes,
+        seeded=torch.Tag.nondeterministic_seeded in tags,
+        generator=generator,
+        metadata_inplace=(torch.Tag.inplace_view in tags or schema.name in _METADATA_INPLACE),
+        fresh_returns=fresh,
+        nreturns=len(schema.returns),
+        view=bool(schema.returns) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns),
+        meta_only=schema.name in _META_ONLY and "device" in names,
+        hidden_writes=_HIDDEN_WRITES.get(schema.name),
+    )

@@ -1,0 +1,138 @@
+"""``dtr.enable()``: the context manager that puts a block of code under dtr."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .config import DTRConfig, resolve
+from .errors import DTRError
+from .runtime import Runtime
+from .stats import Stats, collect
+from .tensor import CheckpointTensor
+
+_active_lock = threading.Lock()
+_active: Session | None = None
+
+
+class _Mode(TorchDispatchMode):
+    """Sends every op on this thread to the runtime."""
+
+    def __init__(self, runtime: Runtime):
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.runtime.handle(func, args, kwargs or {})
+
+
+class Session:
+    """A block of code under dtr. Returned by :func:`dtr.enable`; use it as a context
+    manager, and read :meth:`stats` during or after the block."""
+
+    def __init__(self, config: DTRConfig):
+        self.config = config
+        self._runtime: Runtime | None = None
+        self._mode: _Mode | None = None
+        self._final: Stats | None = None
+
+    def __enter__(self) -> Session:
+        global _active
+        with _active_lock:
+            if _active is not None:
+                raise DTRError(
+                    "dtr: dtr.enable() is already active; nested or concurrent sessions are "
+                    "not supported. End the outer block first, or change its budget with "
+                    "session.set_budget().")
+            if self._final is not None:
+                raise DTRError("dtr: a session can be entered only once; call dtr.enable() "
+                               "again for a new one")
+            self._runtime = Runtime(self.config)
+            self._mode = _Mode(self._runtime)
+            self._mode.__enter__()
+            _active = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        global _active
+        try:
+            self._mode.__exit__(exc_type, exc, tb)
+        finally:
+            try:
+                self._runtime.close()
+            finally:
+                self._final = collect(self._runtime)
+                self._runtime = None
+                self._mode = None
+                with _active_lock:
+                    _active = None
+
+    @property
+    def active(self) -> bool:
+        return self._runtime is not None
+
+    def stats(self) -> Stats:
+        """Counters so far (inside the block) or final (after it)."""
+        if self._runtime is not None:
+            with self._runtime.lock:
+                return collect(self._runtime)
+        if self._final is None:
+            raise DTRError("dtr: this session has not been entered yet; use it in a "
+                           "`with` statement")
+        return self._final
+
+    def set_budget(self, budget) -> None:
+        """Change the budget inside the block (bytes, or a string such as '2GiB';
+        None for unlimited). Takes effect at the next op."""
+        from .config import parse_budget
+
+        if self._runtime is None:
+            raise DTRError("dtr: set_budget() needs an active session")
+        nbytes = parse_budget(budget)
+        rt = self._runtime
+        with rt.lock:
+            rt.config = DTRConfig(**{**rt.config.__dict__, "budget_bytes": nbytes})
+            rt.core.budget = -1 if nbytes is None else nbytes
+
+
+def enable(budget: object = None, heuristic: str | None = None, **options) -> Session:
+    """Train under a memory budget: evict tensors when it is exceeded, recompute them
+    from their lineage when they are needed again.
+
+    Args:
+        budget: bytes (int) or a string with a unit ("512MB", "1.5GiB", "800000B").
+            None reads ``DTR_MEMORY_BUDGET``; if that is unset too, dtr tracks every
+            tensor and evicts nothing.
+        heuristic: which tensor to evict: "dtr" (default, or ``DTR_HEURISTIC``),
+            "dtr_eq", "dtr_local", "lru", "size", "msps" or "random".
+        **options: ``stress=True`` evicts every evictable tensor after every op (a
+            testing mode that makes every reuse a recomputation); ``seed`` for the
+            random heuristic; ``min_evict_bytes`` never evicts smaller pools;
+            ``check=True`` verifies the core's invariants after every op;
+            ``cost_model="roofline"`` makes eviction decisions deterministic (default
+            "time": measured wall time).
+
+    Returns:
+        A :class:`Session`; enter it with ``with``.
+
+    Raises:
+        dtr.ConfigError: unparsable or non-positive budget, unknown heuristic or option.
+
+    Example:
+        >>> with dtr.enable(budget="2GiB") as session:
+        ...     loss = model(x).sum(); loss.backward(); opt.step()
+        >>> print(session.stats())
+    """
+    return Session(resolve(budget, heuristic, **options))
+
+
+def materialize(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind a managed one (a plain tensor is returned as is). Inside
+    the block the tensor is pinned from then on, since the program may write to it."""
+    from .runtime import materialize_ref
+
+    if isinstance(t, CheckpointTensor):
+        return materialize_ref(t._dtr_ref, export=True)
+    return t

@@ -1,0 +1,78 @@
+"""What a session did: counters and byte counts, as a dataclass whose fields are API."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from .units import format_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """Counters of one :func:`dtr.enable` session.
+
+    Attributes:
+        budget_bytes: the budget, None when unlimited.
+        heuristic: the eviction heuristic.
+        ops: op calls dtr recorded (managed outputs).
+        evictions: pools evicted to stay within the budget (or by stress mode).
+        eager_evictions: pools freed because the program dropped every handle to them.
+        remats: recipes rerun to rematerialize evicted tensors.
+        recompute_seconds: wall time spent rerunning recipes.
+        peak_resident_bytes: the largest resident byte count at an op boundary.
+        max_transient_bytes: the largest resident count at any point, including an op's
+            fresh outputs before eviction brings the count back within the budget.
+        resident_bytes: resident bytes now (managed values and constants).
+        pinned_bytes: resident bytes that cannot be evicted (constants, and tensors whose
+            lineage was cut by an in-place update).
+        constant_bytes: bytes of plain tensors the managed ops read (parameters, inputs).
+        core: "c++" or "python".
+    """
+
+    budget_bytes: int | None
+    heuristic: str
+    ops: int
+    evictions: int
+    eager_evictions: int
+    remats: int
+    recompute_seconds: float
+    peak_resident_bytes: int
+    max_transient_bytes: int
+    resident_bytes: int
+    pinned_bytes: int
+    constant_bytes: int
+    core: str
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), sort_keys=True)
+
+    def __str__(self) -> str:
+        return (
+            f"dtr[{self.heuristic}, budget {format_bytes(self.budget_bytes)}, {self.core} core]: "
+            f"{self.ops} ops, {self.evictions} evictions, {self.remats} remats "
+            f"({self.recompute_seconds * 1e3:.1f} ms recomputing), peak "
+            f"{format_bytes(self.peak_resident_bytes)}, resident "
+            f"{format_bytes(self.resident_bytes)} ({format_bytes(self.pinned_bytes)} pinned)")
+
+
+def collect(rt) -> Stats:
+    core = rt.core
+    return Stats(
+        budget_bytes=rt.config.budget_bytes,
+        heuristic=rt.config.heuristic,
+        ops=core.ops,
+        evictions=core.evictions,
+        eager_evictions=core.eager_evictions,
+        remats=core.remats,
+        recompute_seconds=rt.recompute_seconds,
+        peak_resident_bytes=core.peak_bytes,
+        max_transient_bytes=core.max_bytes,
+        resident_bytes=core.resident_bytes,
+        pinned_bytes=core.pinned_bytes(),
+        constant_bytes=core.constant_bytes(),
+        core=rt.core_kind,
+    )

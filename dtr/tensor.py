@@ -1,0 +1,119 @@
+"""CheckpointTensor: the wrapper the program holds in place of a managed tensor.
+
+A wrapper subclass sits below autograd: autograd saves the wrapper, so backward ops reach
+dtr like any other op and recompute evicted values transparently. Sizes, strides, dtype
+and device live in the wrapper itself, so metadata queries never rematerialize.
+
+The chain is ``CheckpointTensor -> Ref -> Node -> value``:
+
+* ``Node``: one immutable value known to the core (a tid). ``value`` is the plain tensor
+  while materialized, None while evicted.
+* ``Ref``: the program's handle on a node. When the tensor is updated in place the core
+  makes a new version and the Ref moves to it; ``detach`` shares the Ref, so aliases that
+  autograd makes of a saved tensor see the same value, evicted or not. When the last
+  wrapper holding a Ref dies, the runtime is told (at the next op boundary).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Node:
+    __slots__ = ("tid", "value", "name", "shape")
+
+    def __init__(self, tid: int, value: torch.Tensor | None, name: str, shape):
+        self.tid = tid
+        self.value = value
+        self.name = name
+        self.shape = shape
+
+    def describe(self) -> str:
+        shape = "x".join(str(s) for s in self.shape) if self.shape is not None else "?"
+        return f"{self.name}[{shape}]"
+
+
+class Ref:
+    __slots__ = ("node", "runtime")
+
+    def __init__(self, node: Node, runtime):
+        self.node = node
+        self.runtime = runtime
+
+    def __del__(self):
+        rt = self.runtime
+        if rt is not None and rt.is_open:
+            rt.pending_refs.append(self.node)
+
+
+class CheckpointTensor(torch.Tensor):
+    """A tensor whose value dtr may evict and recompute. Behaves like a plain tensor."""
+
+    _dtr_ref: Ref
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, ref: Ref, like: torch.Tensor, requires_grad: bool = False):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, like.size(), strides=like.stride(), storage_offset=like.storage_offset(),
+            dtype=like.dtype, device=like.device, layout=like.layout,
+            requires_grad=requires_grad,
+        )
+        t._dtr_ref = ref
+        return t
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Reached only when dtr's mode is not on the stack: after the block ended, or on
+        # another thread. The runtime of the first wrapper decides.
+        from .runtime import dispatch_without_mode
+
+        return dispatch_without_mode(func, args, kwargs or {})
+
+    # Python-level methods that read data directly and would fail on a wrapper.
+    def tolist(self):
+        return _plain(self).tolist()
+
+    def numpy(self, *, force: bool = False):
+        return _plain(self).numpy(force=force)
+
+    def __repr__(self, *, tensor_contents=None):
+        text = repr(_plain(self))
+        suffix = ""
+        if self.grad_fn is not None:
+            suffix = f", grad_fn=<{type(self.grad_fn).__name__}>"
+        elif self.requires_grad:
+            suffix = ", requires_grad=True"
+        return text[:-1] + suffix + ")" if suffix and text.endswith(")") else text
+
+    def __format__(self, spec: str) -> str:
+        if self.dim() == 0:
+            return self.item().__format__(spec)
+        return repr(self) if not spec else _plain(self).__format__(spec)
+
+    def __reduce_ex__(self, protocol):
+        # torch.save / pickle / deepcopy see a plain tensor (DESIGN.md 1).
+        value = _plain(self).detach()
+        if self.requires_grad and self.is_leaf:
+            value.requires_grad_(True)
+        return value.__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        copy = _plain(self).clone()
+        if self.requires_grad and self.is_leaf:
+            copy.requires_grad_(True)
+        memo[id(self)] = copy
+        return copy
+
+    def decheckpoint(self) -> torch.Tensor:
+        """The plain tensor behind this wrapper (see :func:`dtr.materialize`)."""
+        return _plain(self)
+
+
+def _plain(t: CheckpointTensor) -> torch.Tensor:
+    from .runtime import materialize_ref
+
+    return materialize_ref(t._dtr_ref)
