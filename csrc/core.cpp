@@ -142,35 +142,41 @@ std::vector<int64_t> Core::record(const std::vector<int64_t>& inputs, double cos
     pools_[tensors_[i].pool].last_access = now;
   }
   now += recipes_[rid].cost;
-  std::vector<int64_t> outs;
-  outs.reserve(kinds.size());
-  for (size_t k = 0; k < kinds.size(); ++k) {
-    int64_t tid;
+  const size_t n = kinds.size();
+  std::vector<int64_t> outs(n, -1);
+  recipes_[rid].nbytes.assign(n, 0);
+  recipes_[rid].version_of.assign(n, -1);
+  std::vector<std::pair<int64_t, int64_t>> moved;  // (old, new)
+  // Versions first: a view returned by the same op is a view of the new value.
+  for (size_t k = 0; k < n; ++k) {
+    if (kinds[k] != kVersion) continue;
+    T(refs[k]);
+    outs[k] = version(refs[k], rid);
+    moved.emplace_back(refs[k], outs[k]);
+    recipes_[rid].nbytes[k] = pools_[tensors_[outs[k]].pool].nbytes;
+    recipes_[rid].version_of[k] = refs[k];
+  }
+  for (size_t k = 0; k < n; ++k) {
     if (kinds[k] == kNew) {
       int64_t pid = new_pool(nbytes[k], true, false);
-      tid = new_tensor(pid, rid, 1, true);
-      recipes_[rid].nbytes.push_back(nbytes[k]);
-      recipes_[rid].version_of.push_back(-1);
+      outs[k] = new_tensor(pid, rid, 1, true);
+      recipes_[rid].nbytes[k] = nbytes[k];
     } else if (kinds[k] == kView) {
-      int64_t pid = T(refs[k]).pool;
-      tid = new_tensor(pid, rid, 1, true);
-      recipes_[rid].nbytes.push_back(0);
-      recipes_[rid].version_of.push_back(-1);
-    } else if (kinds[k] == kVersion) {
-      T(refs[k]);
-      tid = version(refs[k], rid);
-      recipes_[rid].nbytes.push_back(pools_[tensors_[tid].pool].nbytes);
-      recipes_[rid].version_of.push_back(refs[k]);
-    } else {
+      int64_t src = refs[k];
+      for (const auto& m : moved)
+        if (m.first == src) src = m.second;
+      outs[k] = new_tensor(T(src).pool, rid, 1, true);
+    } else if (kinds[k] != kVersion) {
       fail("bad output kind " + std::to_string(kinds[k]));
     }
+  }
+  for (int64_t tid : outs) {
     RecipeRec& r = recipes_[rid];
     r.outputs.push_back(tid);
     r.kept += 1;
     PoolRec& p = pools_[tensors_[tid].pool];
     p.last_access = now;
     pool_cost(p);
-    outs.push_back(tid);
   }
   if (recipes_[rid].kept == 0) drop_recipe(rid);
   return outs;
@@ -270,6 +276,8 @@ void Core::pin(int64_t tid) {
   TensorRec& t = tensors_[tid];
   int64_t rid = t.recipe;
   if (rid < 0) return;
+  if (t.ext > 0 && !t.mat)
+    fail("pin of tensor " + std::to_string(tid) + ", which is held but not materialized");
   RecipeRec& r = recipes_[rid];
   *std::find(r.outputs.begin(), r.outputs.end(), tid) = -1;
   r.kept -= 1;

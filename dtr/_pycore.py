@@ -197,31 +197,35 @@ class PyCore:
             self._T[i].consumers.append(rid)
             self._P[self._T[i].pool].last_access = self.now
         self.now += r.cost
-        outs = []
-        for k in range(len(kinds)):
+        n = len(kinds)
+        outs = [-1] * n
+        r.nbytes = [0] * n
+        r.version_of = [-1] * n
+        moved: dict[int, int] = {}
+        # Versions first: a view returned by the same op is a view of the new value.
+        for k in range(n):
+            if kinds[k] == VERSION:
+                outs[k] = self._version(refs[k], rid)
+                moved[refs[k]] = outs[k]
+                r.nbytes[k] = self._P[self._T[outs[k]].pool].nbytes
+                r.version_of[k] = refs[k]
+        for k in range(n):
             kind = kinds[k]
             if kind == NEW:
                 pid = self._new_pool(int(nbytes[k]), True, False)
-                tid = self._new_tensor(pid, rid, 1, True)
-                r.nbytes.append(int(nbytes[k]))
-                r.version_of.append(-1)
+                outs[k] = self._new_tensor(pid, rid, 1, True)
+                r.nbytes[k] = int(nbytes[k])
             elif kind == VIEW:
-                pid = self._T[refs[k]].pool
-                tid = self._new_tensor(pid, rid, 1, True)
-                r.nbytes.append(0)
-                r.version_of.append(-1)
-            elif kind == VERSION:
-                tid = self._version(refs[k], rid)
-                r.nbytes.append(self._P[self._T[tid].pool].nbytes)
-                r.version_of.append(refs[k])
-            else:
+                pid = self._T[moved.get(refs[k], refs[k])].pool
+                outs[k] = self._new_tensor(pid, rid, 1, True)
+            elif kind != VERSION:
                 raise CoreError(f"dtr: bad output kind {kind}")
+        for tid in outs:
             r.outputs.append(tid)
             r.kept += 1
             p = self._P[self._T[tid].pool]
             p.last_access = self.now
             self._pool_cost(p)
-            outs.append(tid)
         if r.kept == 0:
             self._drop_recipe(rid)
         return outs
@@ -312,13 +316,17 @@ class PyCore:
 
     def pin(self, tid: int) -> None:
         """Cut a tensor's lineage: it becomes unrecomputable, so its pool is never
-        evicted (Invariant 3); ancestors nobody else needs are dropped."""
+        evicted (Invariant 3); ancestors nobody else needs are dropped. A tensor the
+        program holds must be materialized first; one it does not hold may be cut while
+        evicted (it is then dropped once nothing reads it)."""
         t = self._T[tid]
         if t is None:  # dropped earlier in the same invalidation
             return
         rid = t.recipe
         if rid < 0:
             return
+        if t.ext > 0 and not t.mat:
+            raise CoreError(f"dtr: pin of tensor {tid}, which is held but not materialized")
         r = self._R[rid]
         r.outputs[r.outputs.index(tid)] = -1
         r.kept -= 1

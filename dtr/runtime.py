@@ -122,9 +122,12 @@ class Runtime:
             versioned, snaps = self._prepare_writes(facts, written, nodes, tids, vals,
                                                     fresh_consts)
             captured = None
+            extra_inputs: list[int] = []
             if facts.seeded:
                 gen = call.argument(facts, facts.generator) if facts.generator >= 0 else None
                 captured = rng.capture(gen, _device_of(call.leaves))
+                # The saved generator state is memory the recipe holds: count it.
+                extra_inputs.append(self._constant(captured[1], fresh_consts))
             real_args, real_kwargs = substitute(call.args, call.kwargs, call.where, vals)
             start = _perf()
             out = func(*real_args, **real_kwargs)
@@ -132,7 +135,7 @@ class Runtime:
             if self.model_cost:
                 cost = _cost.roofline(func, real_args, real_kwargs, out)
             result, fresh = self._record(func, facts, call, out, nodes, tids, vals, written,
-                                         versioned, snaps, captured, cost)
+                                         versioned, snaps, captured, cost, extra_inputs)
         finally:
             for tid in locked:
                 core.unlock(tid)
@@ -150,12 +153,16 @@ class Runtime:
         if kwargs.get("device") is None:
             kwargs = {**kwargs, "device": device}
         captured = rng.capture(None, device) if facts.seeded else None
+        fresh_consts: list[int] = []
+        inputs = [self._constant(captured[1], fresh_consts)] if captured is not None else []
         start = _perf()
         out = func(*args, **kwargs)
         cost = _perf() - start
         if self.model_cost:
             cost = _cost.roofline(func, args, kwargs, out)
-        out_tids = self.core.record([], cost, [NEW], [-1], [out.untyped_storage().nbytes()])
+        out_tids = self.core.record(inputs, cost, [NEW], [-1], [out.untyped_storage().nbytes()])
+        for tid in fresh_consts:
+            self.core.release(tid)
         t_args, t_kwargs = substitute(args, kwargs, call.where, [None] * len(stand_ins))
         rec = Recipe(func, facts, t_args, t_kwargs, call.where, stand_ins, (), [(0, -1)],
                      captured, torch.is_grad_enabled())
@@ -194,7 +201,7 @@ class Runtime:
         return versioned, snaps
 
     def _record(self, func, facts, call, out, nodes, tids, vals, written, versioned, snaps,
-                captured, cost):
+                captured, cost, extra_inputs):
         """Tell the core about the outputs, wrap them, and build the recipe."""
         kinds: list[int] = []
         refs: list[int] = []
@@ -238,7 +245,7 @@ class Runtime:
         for k, (snap, snap_tid) in snaps.items():
             inputs[k] = snap_tid
             rec_inputs[k] = snap
-        out_tids = self.core.record(inputs, cost, kinds, refs, nbytes)
+        out_tids = self.core.record(inputs + extra_inputs, cost, kinds, refs, nbytes)
         args, kwargs = substitute(call.args, call.kwargs, call.where, [None] * len(tids))
         rec = Recipe(func, facts, args, kwargs, call.where, rec_inputs, tuple(written), specs,
                      captured, torch.is_grad_enabled())

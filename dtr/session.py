@@ -97,6 +97,11 @@ class Session:
             rt.core.budget = -1 if nbytes is None else nbytes
 
 
+def current() -> Session | None:
+    """The active session, if any."""
+    return _active
+
+
 def enable(budget: object = None, heuristic: str | None = None, **options) -> Session:
     """Train under a memory budget: evict tensors when it is exceeded, recompute them
     from their lineage when they are needed again.

@@ -1,0 +1,32 @@
+"""Shared fixtures: the bench models are importable, and ``core`` runs a test against the
+C++ core and against its pure-Python twin."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from dtr._core import core_class  # noqa: E402
+
+HAVE_CPP = core_class(False)[1] == "c++"
+CORES = ["c++", "python"] if HAVE_CPP else ["python"]
+
+
+@pytest.fixture(params=CORES)
+def core(request, monkeypatch):
+    """Selects the core dtr.enable() uses for this test."""
+    monkeypatch.setenv("DTR_FORCE_PYTHON", "1" if request.param == "python" else "0")
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ("DTR_MEMORY_BUDGET", "DTR_HEURISTIC", "DTR_STRESS", "DTR_DEBUG",
+                 "DTR_COST_MODEL"):
+        monkeypatch.delenv(name, raising=False)

@@ -1,0 +1,117 @@
+"""Settings: budget syntax, environment variables, and the errors bad input gets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import dtr
+from dtr.config import resolve
+
+
+@pytest.mark.parametrize("value, expected", [
+    (1000, 1000),
+    ("800000B", 800_000),
+    ("512MB", 512 * 10**6),
+    ("512mb", 512 * 10**6),
+    ("1.5GiB", int(1.5 * 2**30)),
+    ("2 GiB", 2 * 2**30),
+    ("64KiB", 64 * 1024),
+    ("3TB", 3 * 10**12),
+    ("1e6", 10**6),
+    ("123", 123),
+    (2.5e9, 2_500_000_000),
+])
+def test_budget_forms(value, expected):
+    assert dtr.enable(budget=value).config.budget_bytes == expected
+
+
+@pytest.mark.parametrize("value", ["abc", "-1GB", "1.5XB", 0, "0", True, False, math.nan, "nan",
+                                   "inf", math.inf, -5, "", "12 G B", [1], "0.1B"])
+def test_bad_budgets_are_clear_errors(value):
+    with pytest.raises(dtr.ConfigError) as info:
+        dtr.enable(budget=value)
+    msg = str(info.value)
+    assert msg.startswith("dtr: invalid budget")
+    assert repr(value) in msg
+    assert "GiB" in msg  # says what is accepted
+
+
+def test_env_budget_and_heuristic(monkeypatch):
+    monkeypatch.setenv("DTR_MEMORY_BUDGET", "2GiB")
+    monkeypatch.setenv("DTR_HEURISTIC", "lru")
+    cfg = dtr.enable().config
+    assert (cfg.budget_bytes, cfg.heuristic) == (2 * 2**30, "lru")
+    cfg = dtr.enable(budget="1MB", heuristic="size").config  # explicit arguments win
+    assert (cfg.budget_bytes, cfg.heuristic) == (10**6, "size")
+
+
+def test_no_budget_anywhere_means_track_only():
+    cfg = dtr.enable().config
+    assert cfg.budget_bytes is None and cfg.heuristic == "dtr"
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("DTR_MEMORY_BUDGET", "lots", "DTR_MEMORY_BUDGET"),
+    ("DTR_MEMORY_BUDGET", "-3MB", "DTR_MEMORY_BUDGET"),
+    ("DTR_HEURISTIC", "best", "DTR_HEURISTIC"),
+    ("DTR_STRESS", "maybe", "DTR_STRESS"),
+    ("DTR_FORCE_PYTHON", "2", "DTR_FORCE_PYTHON"),
+    ("DTR_COST_MODEL", "guess", "cost_model"),
+])
+def test_bad_env_values_name_the_variable(monkeypatch, name, value, match):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(dtr.ConfigError, match=match):
+        dtr.enable()
+
+
+def test_unknown_heuristic_lists_the_valid_ones():
+    with pytest.raises(dtr.ConfigError) as info:
+        dtr.enable(heuristic="lfu")
+    for name in dtr.HEURISTICS:
+        assert name in str(info.value)
+
+
+def test_unknown_option():
+    with pytest.raises(dtr.ConfigError, match="unknown option.*budjet.*valid options"):
+        dtr.enable(budjet="1GB")
+
+
+@pytest.mark.parametrize("options", [{"stress": "yes"}, {"seed": -1}, {"min_evict_bytes": 1.5},
+                                     {"cost_model": "flops"}, {"check": 1}])
+def test_bad_option_values(options):
+    with pytest.raises(dtr.ConfigError, match="dtr: "):
+        dtr.enable(**options)
+
+
+def test_env_flags(monkeypatch):
+    monkeypatch.setenv("DTR_STRESS", "1")
+    monkeypatch.setenv("DTR_COST_MODEL", "roofline")
+    cfg = resolve()
+    assert cfg.stress and cfg.cost_model == "roofline"
+    assert not resolve(stress=False).stress
+
+
+def test_errors_are_raised_at_enable_time_not_at_enter():
+    with pytest.raises(dtr.ConfigError):
+        dtr.enable(budget="nope")  # no `with` needed to see it
+
+
+def test_session_stats_before_entering():
+    session = dtr.enable()
+    with pytest.raises(dtr.DTRError, match="not been entered"):
+        session.stats()
+
+
+def test_stats_are_loggable():
+    import json
+
+    import torch
+
+    with dtr.enable(budget="1GiB") as session:
+        (torch.randn(4, 4, requires_grad=True) * 2).sum().backward()
+    stats = session.stats()
+    data = json.loads(stats.to_json())
+    assert data["budget_bytes"] == 2**30 and data["ops"] == stats.ops
+    assert "1.00 GiB" in str(stats)

@@ -1,0 +1,339 @@
+"""The bookkeeping core: known answers on small graphs, and the C++ core and its Python
+twin making the same decisions on the same random event sequences."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dtr import HEURISTICS
+from dtr._core import core_class
+from dtr._pycore import NEW, VERSION, VIEW, PyCore
+
+CPP = core_class(False)[0]
+IMPLS = [PyCore] + ([CPP] if CPP is not PyCore else [])
+
+
+@pytest.fixture(params=IMPLS, ids=lambda c: "python" if c is PyCore else "c++")
+def Core(request):
+    return request.param
+
+
+def rematerialize(core, tid, sizes):
+    """What the runtime does to materialize tid; returns the recipes rerun, in order."""
+    core.lock(tid)
+    core.remat_begin(tid)
+    ran = []
+    while (rid := core.remat_step()) >= 0:
+        assert core.make_room(core.remat_bytes(rid))
+        stolen = core.steals(rid)
+        core.remat_done(rid, sizes[rid], stolen)
+        ran.append(rid)
+    core.unlock(tid)
+    core.drain()
+    return ran
+
+
+def chain(core, n, nbytes=100, cost=1.0):
+    """t0 = op(); t_k = op(t_{k-1}); every tensor held. Returns (tids, rids, sizes)."""
+    tids, rids, sizes = [], [], {}
+    for k in range(n):
+        inputs = [tids[-1]] if tids else []
+        (t,) = core.record(inputs, cost, [NEW], [-1], [nbytes])
+        tids.append(t)
+        rid = core.recipe_of(t)
+        rids.append(rid)
+        sizes[rid] = [nbytes]
+        assert core.make_room(0)
+    return tids, rids, sizes
+
+
+def test_size_evicts_largest(Core):
+    core = Core("size", 1000)
+    a, = core.record([], 1.0, [NEW], [-1], [300])
+    b, = core.record([], 1.0, [NEW], [-1], [500])
+    c, = core.record([], 1.0, [NEW], [-1], [400])
+    assert core.make_room(0)
+    assert not core.is_materialized(b) and core.is_materialized(a) and core.is_materialized(c)
+    assert core.evictions == 1 and core.resident_bytes == 700
+    assert core.drain()[0] == [b]
+
+
+def test_lru_evicts_least_recently_used(Core):
+    core = Core("lru", 350)
+    a, b, c = (core.record([], 1.0, [NEW], [-1], [100])[0] for _ in range(3))
+    core.lock(a)
+    core.unlock(a)  # a is now as recent as c; b is the stalest
+    core.record([], 1.0, [NEW], [-1], [100])
+    assert core.make_room(0)
+    assert [core.is_materialized(t) for t in (a, b, c)] == [True, False, True]
+
+
+def test_chain_recompute_in_order(Core):
+    core = Core("dtr", -1)
+    tids, rids, sizes = chain(core, 6)
+    assert core.evict_all() == 6
+    assert core.resident_bytes == 0
+    assert rematerialize(core, tids[-1], sizes) == rids
+    assert core.remats == 6 and core.resident_bytes == 600
+
+
+def test_chain_under_lru_budget_known_remat_count(Core):
+    # 10-op chain, budget of 3 tensors, LRU: the forward pass keeps the last 3. Reading
+    # t0..t9 back in order recomputes each exactly once, from its resident predecessor
+    # (rebuilding t0..t2 pushes t7..t9 out, LRU-first): 10 recomputations, no cascade.
+    core = Core("lru", 300)
+    tids, rids, sizes = chain(core, 10)
+    assert [core.is_materialized(t) for t in tids] == [False] * 7 + [True] * 3
+    runs = [rematerialize(core, t, sizes) for t in tids]
+    assert runs == [[r] for r in rids]
+    assert core.remats == 10 and core.evictions == 7 + 10
+
+
+def test_release_frees_at_once_and_lineage_is_dropped(Core):
+    core = Core("dtr", -1)
+    tids, _, _ = chain(core, 4)
+    core.release(tids[1])  # still needed by t2's recipe: evicted, not dropped
+    assert not core.is_materialized(tids[1]) and core.eager_evictions == 1
+    assert core.counts() == (4, 4, 4)
+    for t in (tids[3], tids[2], tids[0]):
+        core.release(t)
+    assert core.counts() == (0, 0, 0) and core.resident_bytes == 0
+    evicted, dropped, recipes = core.drain()
+    assert sorted(dropped) == sorted(tids) and len(recipes) == 4
+
+
+def test_release_while_locked_evicts_on_unlock(Core):
+    core = Core("dtr", -1)
+    a, = core.record([], 1.0, [NEW], [-1], [100])
+    b, = core.record([a], 1.0, [NEW], [-1], [100])
+    core.lock(a)
+    core.release(a)
+    assert core.is_materialized(a)
+    core.unlock(a)
+    assert not core.is_materialized(a) and core.resident_bytes == 100
+    core.check()
+
+
+def test_views_share_the_pool(Core):
+    core = Core("dtr", -1)
+    base, = core.record([], 1.0, [NEW], [-1], [800])
+    view, = core.record([base], 0.1, [VIEW], [base], [0])
+    assert core.pool_of(view) == core.pool_of(base) and core.resident_bytes == 800
+    assert core.evict_all() == 1
+    assert not core.is_materialized(base) and not core.is_materialized(view)
+    rematerialize(core, view, {core.recipe_of(base): [800], core.recipe_of(view): [0]})
+    assert core.is_materialized(base) and core.is_materialized(view)
+    assert core.resident_bytes == 800
+
+
+def test_version_keeps_old_lineage_and_steals_on_remat(Core):
+    core = Core("dtr", -1)
+    m0, = core.record([], 1.0, [NEW], [-1], [400])  # empty_like
+    assert core.is_private(m0)
+    m1, = core.record([m0], 1.0, [VERSION], [m0], [0])  # bernoulli_
+    m2, = core.record([m1], 1.0, [VERSION], [m1], [0])  # div_
+    assert core.pool_of(m2) != core.pool_of(m0)
+    assert not core.is_materialized(m0) and not core.is_materialized(m1)
+    assert core.ext(m0) == 0 and core.ext(m2) == 1 and core.resident_bytes == 400
+    core.evict_all()
+    sizes = {core.recipe_of(t): [400] for t in (m0, m1, m2)}
+    core.lock(m2)
+    core.remat_begin(m2)
+    stolen_any, peak = [], 0
+    while (rid := core.remat_step()) >= 0:
+        stolen = core.steals(rid)
+        stolen_any.append(bool(stolen))
+        core.remat_done(rid, sizes[rid], stolen)
+        peak = max(peak, core.resident_bytes)
+    core.unlock(m2)
+    # The in-place recipes rerun in the storage of the value they update: one buffer.
+    assert stolen_any == [False, True, True] and peak == 400
+    assert core.is_materialized(m2) and not core.is_materialized(m0)
+    core.check()
+
+
+def test_pin_cuts_lineage(Core):
+    core = Core("dtr", -1)
+    tids, _, _ = chain(core, 3)
+    core.release(tids[0])
+    core.release(tids[1])
+    assert core.counts()[0] == 3
+    core.pin(tids[2])
+    assert core.counts() == (1, 1, 0)
+    assert core.evict_all() == 0  # pinned: never evicted
+    assert core.pinned_bytes() == 100
+
+
+def test_infeasible_make_room(Core):
+    core = Core("dtr", 150)
+    a, = core.record([], 1.0, [NEW], [-1], [100])
+    core.lock(a)
+    core.record([], 1.0, [NEW], [-1], [100])
+    c = core.new_constant(100)
+    assert not core.make_room(0)
+    assert core.locked_bytes() == 100 and core.pinned_bytes() == 100
+    assert core.largest_pinned(5)[0][1] == 100
+    core.unlock(a)
+    core.release(c)
+    assert core.make_room(0)
+
+
+def test_pin_needs_a_materialized_value(Core):
+    core = Core("dtr", -1)
+    a, = core.record([], 1.0, [NEW], [-1], [100])
+    core.evict_all()
+    with pytest.raises(RuntimeError, match="not materialized"):
+        core.pin(a)
+
+
+def test_evicted_tensor_without_recipe_is_an_error(Core):
+    core = Core("dtr", -1)
+    m0, = core.record([], 1.0, [NEW], [-1], [100])
+    m1, = core.record([m0], 1.0, [VERSION], [m0], [0])
+    core.pin(m0)  # m0 loses its recipe while it is evicted (not materialized)
+    core.evict_all()
+    core.lock(m1)
+    core.remat_begin(m1)
+    with pytest.raises(RuntimeError, match="no recipe"):
+        core.remat_step()
+    core.remat_abort()
+
+
+def test_unknown_heuristic(Core):
+    with pytest.raises(Exception, match="unknown heuristic"):
+        Core("best", -1)
+
+
+class Program:
+    """Replays a random program against a core the way the runtime drives it, and logs
+    everything the core answers."""
+
+    def __init__(self, core, seed: int):
+        self.core = core
+        self.rng = random.Random(seed)
+        self.held: list[int] = []
+        self.sizes: dict[int, list[int]] = {}
+        self.log: list = []
+
+    def drain(self):
+        ev, dt, dr = self.core.drain()
+        for r in dr:
+            self.sizes.pop(r, None)
+        self.log.append(("drain", ev, dt, dr))
+
+    def materialize(self, tid) -> bool:
+        core = self.core
+        if core.is_materialized(tid):
+            return True
+        core.remat_begin(tid)
+        while (rid := core.remat_step()) >= 0:
+            need = core.remat_bytes(rid)
+            ok = core.make_room(need)
+            self.log.append(("remat", rid, need, ok))
+            if not ok:
+                core.remat_abort()
+                return False
+            stolen = core.steals(rid)
+            core.remat_done(rid, self.sizes[rid], stolen)
+            self.log.append(("done", rid, stolen))
+        return True
+
+    def op(self):
+        core, rng = self.core, self.rng
+        inputs = rng.sample(self.held, min(len(self.held), rng.randint(0, 3)))
+        consts = []
+        if rng.random() < 0.2:
+            consts.append(core.new_constant(rng.randint(1, 50) * 8))
+        for t in inputs:
+            core.lock(t)
+        ok = all(self.materialize(t) for t in inputs)
+        if ok:
+            kinds, refs, nbytes = [], [], []
+            private = [t for t in inputs if core.is_private(t)]
+            if private and rng.random() < 0.3:
+                kinds.append(VERSION)
+                refs.append(private[0])
+                nbytes.append(0)
+            for _ in range(rng.randint(0 if kinds else 1, 2)):
+                if inputs and rng.random() < 0.2:
+                    kinds.append(VIEW)
+                    refs.append(rng.choice(inputs))
+                    nbytes.append(0)
+                else:
+                    kinds.append(NEW)
+                    refs.append(-1)
+                    nbytes.append(rng.randint(1, 64) * 16)
+            outs = core.record(inputs + consts, rng.random(), kinds, refs, nbytes)
+            self.sizes[core.recipe_of(outs[0])] = [
+                core.pool_bytes(o) if k == VERSION else b for o, k, b in zip(outs, kinds, nbytes)]
+            for o, k, r in zip(outs, kinds, refs):
+                if k == VERSION:
+                    self.held.remove(r)
+                self.held.append(o)
+            self.log.append(("record", outs))
+        for t in inputs:
+            core.unlock(t)
+        for c in consts:
+            core.release(c)
+        if ok:
+            for o in outs:
+                core.lock(o)
+            ok = core.make_room(0)
+            for o in outs:
+                core.unlock(o)
+        self.log.append(("room", ok, core.resident_bytes, core.peak_bytes))
+
+    def step(self):
+        core, rng = self.core, self.rng
+        x = rng.random()
+        if x < 0.55 or not self.held:
+            self.op()
+        elif x < 0.8:
+            t = self.held.pop(rng.randrange(len(self.held)))
+            core.release(t)
+        elif x < 0.9:
+            t = rng.choice(self.held)
+            core.lock(t)
+            self.log.append(("read", t, self.materialize(t)))
+            core.unlock(t)
+        elif x < 0.95:
+            t = rng.choice(self.held)
+            core.lock(t)
+            if self.materialize(t):
+                core.pin(t)
+            core.unlock(t)
+        elif x < 0.97:
+            self.log.append(("stress", core.evict_all()))
+        else:
+            self.log.append(("desc", core.descendants([rng.choice(self.held)])))
+        self.drain()
+        core.check()
+        self.log.append(("state", core.resident_bytes, core.evictions, core.remats,
+                         core.eager_evictions, core.counts(), core.pinned_bytes(),
+                         core.locked_bytes(), core.alive()))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("heuristic", HEURISTICS)
+def test_random_programs_keep_invariants(Core, heuristic, seed):
+    prog = Program(Core(heuristic, 2500, seed), seed)
+    for _ in range(300):
+        prog.step()
+    assert any(entry[0] == "remat" for entry in prog.log)
+
+
+@pytest.mark.skipif(CPP is PyCore, reason="the C++ core is not built")
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("heuristic", HEURISTICS)
+def test_cpp_and_python_cores_decide_alike(heuristic, seed):
+    logs = []
+    for impl in (PyCore, CPP):
+        prog = Program(impl(heuristic, 2500, seed), seed)
+        for _ in range(400):
+            prog.step()
+        logs.append(prog.log)
+    for k, (a, b) in enumerate(zip(*logs)):
+        assert a == b, f"entry {k}: python {a} != c++ {b}"
+    assert len(logs[0]) == len(logs[1])

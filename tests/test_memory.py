@@ -1,0 +1,122 @@
+"""Memory: dtr's byte count against an independent measure, budgets that hold, budgets
+that cannot, and no growth over many steps."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import dtr
+from bench.harness import train
+from bench.models import MODELS, batches, build
+
+
+def _profiled_forward(name: str, dtr_kwargs: dict):
+    """A forward pass under dtr inside torch.profiler. Returns (bytes the profiler saw
+    still allocated at the end, relative to the start; the largest such value at any
+    point; dtr's count of the tensors created in the pass, at the end and at most).
+    Parameters and the batch exist before the profile starts: they are in dtr's count
+    (as constants) but not in the profiler's, so they are subtracted."""
+    spec = MODELS[name]
+    model = build(name)
+    batch = batches(name, 1)[0]
+    before = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *batch])
+    torch.manual_seed(0)
+    with dtr.enable(**dtr_kwargs) as session:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss = spec.loss(model, batch)
+            stats = session.stats()
+        del loss
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return live, peak, stats.resident_bytes - before, stats.max_transient_bytes - before, stats
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_byte_count_matches_profiler(name, core):
+    # Tolerance: 1% of the count plus 1 KiB, for allocations dtr does not track by
+    # design (scalar temporaries that die inside an op).
+    live, peak, counted, counted_max, _ = _profiled_forward(name, {"cost_model": "roofline"})
+    assert abs(live - counted) <= 0.01 * counted + 1024, (live, counted)
+    # The profiler also sees workspaces inside ops, so its peak may only be higher.
+    assert peak >= counted_max - 1024
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_evictions_really_free_memory(name, core):
+    # Under a budget the profiler must see the evicted storages freed: what it finds
+    # still allocated agrees with dtr's resident count, which is within the budget.
+    free = _profiled_forward(name, {})[-1]
+    budget = int(free.peak_resident_bytes * 0.4)
+    live, _, counted, _, stats = _profiled_forward(name, {"budget": budget,
+                                                         "cost_model": "roofline"})
+    assert stats.evictions > 0
+    assert stats.resident_bytes <= budget
+    assert abs(live - counted) <= 0.01 * counted + 1024, (live, counted)
+
+
+def test_no_growth_over_200_steps(core):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64),
+                          nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    resident, counts = [], []
+    with dtr.enable(budget=110 * 1024, cost_model="roofline") as session:
+        for _ in range(200):
+            x = torch.randn(64, 32, generator=g)
+            y = torch.randint(0, 10, (64,), generator=g)
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            stats = session.stats()
+            resident.append(stats.resident_bytes)
+            counts.append(session._runtime.core.counts())
+    assert stats.evictions > 0
+    assert max(resident[100:]) <= max(resident[:10])
+    assert max(c[0] for c in counts[100:]) <= max(c[0] for c in counts[:10])
+    assert max(c[2] for c in counts[100:]) <= max(c[2] for c in counts[:10])
+
+
+def test_infeasible_budget_fails_fast_with_the_numbers(core):
+    start = time.perf_counter()
+    with pytest.raises(dtr.BudgetError) as info:
+        train("cnn", steps=1, dtr_kwargs={"budget": "64KiB"})
+    assert time.perf_counter() - start < 10
+    msg = str(info.value)
+    assert msg.startswith("dtr: cannot stay within the memory budget of 64.00 KiB")
+    for part in ("resident", "requested", "pinned", "locked", "Largest unevictable"):
+        assert part in msg
+    assert isinstance(info.value, torch.OutOfMemoryError)
+    assert isinstance(info.value, dtr.DTRError)
+    # The process stays usable and a later session works.
+    got = train("mlp", steps=1, dtr_kwargs={"stress": True})
+    assert got.stats.remats > 0
+
+
+def test_budget_below_one_op_is_reported(core):
+    x = torch.randn(256, 256, requires_grad=True)
+    with pytest.raises(dtr.BudgetError, match="requested"):
+        with dtr.enable(budget="100KB"):
+            (x @ x).sum().backward()
+
+
+@pytest.mark.parametrize("heuristic", dtr.HEURISTICS)
+def test_each_heuristic_trains_the_cnn_at_half(heuristic, core):
+    expected = train("cnn", steps=2)
+    peak = train("cnn", steps=2, dtr_kwargs={}).stats.peak_resident_bytes
+    got = train("cnn", steps=2, dtr_kwargs={"budget": peak // 2, "heuristic": heuristic,
+                                            "cost_model": "roofline"})
+    assert got.losses == expected.losses
+    assert all(torch.equal(a, b) for a, b in zip(got.params, expected.params))
+    assert got.stats.peak_resident_bytes <= peak // 2
+    assert got.stats.heuristic == heuristic

@@ -1,0 +1,379 @@
+"""Semantics of the live runtime, each checked against plain eager PyTorch: views,
+in-place updates, aliasing, RNG replay, multi-output and out= ops, what leaves the block,
+optimizers, and behaviour on errors."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dtr
+from tests.utils import assert_bitwise
+
+
+def _run(fn, **kwargs):
+    """fn() eagerly and under dtr with the same RNG seed; returns (eager, dtr, stats)."""
+    torch.manual_seed(0)
+    expected = fn()
+    torch.manual_seed(0)
+    with dtr.enable(**kwargs) as session:
+        got = fn()
+        got = [dtr.materialize(t) if isinstance(t, torch.Tensor) else t for t in got]
+    return expected, got, session.stats()
+
+
+STRESS = {"stress": True, "check": True}
+
+
+def test_views_and_inplace_chain(core):
+    def fn():
+        x = torch.randn(6, 8, requires_grad=True)
+        h = x * 2
+        v = h[1:4].t()  # view of a managed tensor
+        w = v.relu()
+        h2 = h.clone()
+        h2.mul_(3).add_(1)  # private in-place chain: versions
+        y = (w.sum() + h2.sum()) * h2.mean()
+        y.backward()
+        return [y.detach(), x.grad, w, h2]
+
+    expected, got, stats = _run(fn, **STRESS)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e)
+    assert stats.remats > 0
+
+
+def test_inplace_on_aliased_view_pins_and_matches(core):
+    # Writing through a view while the base is held: the pool cannot keep its lineage,
+    # so it is pinned; results must still match eager.
+    pinned = []
+
+    def fn():
+        x = torch.randn(5, 5, requires_grad=True)
+        base = x * 3  # mul by a scalar saves nothing for backward
+        row = base[2]
+        row.mul_(0.5)  # base sees the write too
+        if dtr.session.current() is not None:
+            pinned.append(dtr.session.current().stats().pinned_bytes)
+        y = base.sum() + row.sum()
+        y.backward()
+        return [base.detach(), row.detach(), x.grad]
+
+    expected, got, _ = _run(fn, **STRESS)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e)
+    assert pinned[0] >= 5 * 5 * 4  # the base's storage can no longer be evicted
+
+
+def test_dropout_rng_replay(core):
+    def fn():
+        x = torch.randn(32, 16, requires_grad=True)
+        a = F.dropout(x, 0.5, training=True)
+        b = F.dropout(a * 2, 0.3, training=True)
+        noise = torch.randn_like(b)
+        y = (b + noise).pow(2).sum()
+        y.backward()
+        after = torch.rand(3)  # the stream after the block must be the eager one
+        return [y.detach(), x.grad, after]
+
+    expected, got, stats = _run(fn, **STRESS)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e)
+    assert stats.remats > 0
+
+
+def test_explicit_generator_replay(core):
+    def fn():
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(16, 16, requires_grad=True)
+        m = torch.empty_like(x).bernoulli_(0.5, generator=g)
+        y = (x * m).sum() + torch.rand(4, generator=g).sum()
+        y.backward()
+        return [y.detach(), x.grad, g.get_state()]
+
+    expected, got, _ = _run(fn, **STRESS)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e)
+
+
+def test_multi_output_and_out_variants(core):
+    def fn():
+        x = torch.randn(7, 9, requires_grad=True)
+        values, indices = (x * 3).max(dim=1)
+        parts = torch.split(x.exp(), [2, 3, 4], dim=1)
+        s = torch.empty(7, 9)
+        torch.add(x.detach(), 1, out=s)  # out= into a plain tensor
+        y = values.sum() + sum(p.sum() for p in parts) + s.sum()
+        y.backward()
+        return [y.detach(), x.grad, indices, s]
+
+    expected, got, _ = _run(fn, **STRESS)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e)
+
+
+def test_out_into_managed_tensor(core):
+    def fn():
+        x = torch.randn(4, 4)
+        buf = x * 0
+        torch.mul(x, 2, out=buf)
+        return [buf + 1]
+
+    expected, got, _ = _run(fn, **STRESS)
+    assert_bitwise(got[0], expected[0])
+
+
+def test_batchnorm_running_stats_updated_once(core):
+    # Recomputing batch norm must not update the running statistics again.
+    def fn():
+        torch.manual_seed(1)
+        bn = nn.BatchNorm1d(8)
+        x = torch.randn(16, 8, requires_grad=True)
+        y = bn(x).relu().sum() + bn(x * 2).sum()
+        y.backward()
+        return [y.detach(), x.grad, bn.running_mean, bn.running_var, bn.num_batches_tracked]
+
+    expected, got, stats = _run(fn, **STRESS)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e)
+    assert stats.remats > 0
+
+
+def test_data_dependent_item_and_tolist(core):
+    def fn():
+        x = torch.randn(10, requires_grad=True)
+        h = x.sigmoid()
+        out = h * 2 if h.sum().item() > 5 else h * 3
+        lst = out.tolist()
+        y = out.sum()
+        y.backward()
+        return [y.detach(), x.grad, torch.tensor(lst)]
+
+    expected, got, _ = _run(fn, **STRESS)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e)
+
+
+def test_python_level_methods_inside_the_block(core):
+    with dtr.enable(stress=True) as session:
+        x = torch.arange(6.0, requires_grad=True)
+        t = (x * 2).reshape(2, 3)
+        assert isinstance(t, dtr.CheckpointTensor)
+        assert t.tolist() == [[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]]
+        assert (t.numpy() == [[0, 2, 4], [6, 8, 10]]).all()
+        assert repr(t).startswith("tensor([[ 0.,  2.,  4.],")
+        assert "grad_fn=<ViewBackward0>" in repr(t)
+        assert f"{t.sum():.1f}" == "30.0"
+        assert t.sum().item() == 30.0
+        buf = io.BytesIO()
+        torch.save({"t": t}, buf)
+        buf.seek(0)
+        loaded = torch.load(buf)["t"]
+        assert type(loaded) is torch.Tensor and loaded.tolist() == t.tolist()
+        copied = copy.deepcopy(t.detach())
+        assert type(copied) is torch.Tensor and torch.equal(copied, loaded)
+        assert pickle.loads(pickle.dumps(t.detach())).tolist() == t.tolist()
+    assert session.stats().ops > 0
+
+
+def test_everything_leaving_the_block_is_plain(core):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        with dtr.enable(stress=True):
+            out = model(torch.randn(3, 4))
+            loss = out.pow(2).sum()
+            loss.backward()
+            grads = [p.grad for p in model.parameters()]
+            opt.step()
+            return loss, out, grads
+
+    loss, out, grads = step()
+    assert all(type(g) is torch.Tensor for g in grads)
+    assert all(type(v) is torch.Tensor for v in model.state_dict().values())
+    # Returned wrappers behave as plain tensors once the block has ended.
+    assert isinstance(out, dtr.CheckpointTensor)
+    doubled = out * 2
+    assert type(doubled) is torch.Tensor
+    assert torch.equal(doubled, dtr.materialize(out) * 2)
+    assert type(dtr.materialize(loss)) is torch.Tensor
+    assert loss.item() == dtr.materialize(loss).item()
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    buf.seek(0)
+    assert type(torch.load(buf)) is torch.Tensor
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False),
+    lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
+    lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=True),
+    lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+], ids=["sgd-foreach", "sgd-loop", "adam-foreach", "adam-fused", "adamw-foreach",
+        "adamw-fused"])
+def test_optimizers_see_plain_grads(make_opt, core):
+    def train(use_dtr):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
+        opt = make_opt(list(model.parameters()))
+        ctx = dtr.enable(stress=True) if use_dtr else torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t, lambda t: t)
+        with ctx:
+            for _ in range(3):
+                loss = model(torch.randn(5, 8)).pow(2).mean()
+                loss.backward()
+                assert all(type(p.grad) is torch.Tensor for p in model.parameters())
+                opt.step()
+                opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], opt.state_dict()
+
+    (expected, _), (got, state) = train(False), train(True)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e, "parameter")
+    for per_param in state["state"].values():
+        for v in per_param.values():
+            assert not isinstance(v, dtr.CheckpointTensor)
+
+
+def test_gradient_accumulation_and_zero_grad_without_none(core):
+    def fn():
+        torch.manual_seed(3)
+        model = nn.Linear(6, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            for _ in range(3):  # micro-batches
+                (model(torch.randn(4, 6)).pow(2).mean() / 3).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        return [model.weight.detach().clone(), model.bias.detach().clone(), model.weight.grad]
+
+    expected, got, _ = _run(fn, **STRESS)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e)
+
+
+def test_no_grad_evaluation_inside_block(core):
+    def fn():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 5), nn.BatchNorm1d(5), nn.ReLU())
+        x = torch.randn(8, 5)
+        model(x).sum().backward()
+        model.eval()
+        with torch.no_grad():
+            y = model(x)
+        return [y, model[0].weight.grad]
+
+    expected, got, _ = _run(fn, **STRESS)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e)
+
+
+def test_model_built_inside_block_stays_plain(core):
+    with dtr.enable(stress=True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+        model.register_buffer("mask", torch.ones(3, 3).tril())
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    for t in list(model.parameters()) + list(model.buffers()):
+        assert type(t) in (torch.Tensor, nn.Parameter)
+    for per_param in opt.state.values():
+        assert all(not isinstance(v, dtr.CheckpointTensor) for v in per_param.values())
+
+
+def test_exception_inside_block_leaves_no_state(core):
+    x = torch.randn(4, 4, requires_grad=True)
+    kept = []
+    with pytest.raises(ZeroDivisionError):
+        with dtr.enable(stress=True):
+            h = (x * 2).exp()
+            kept.append(h)
+            raise ZeroDivisionError("user error in a training step")
+    assert torch.equal(dtr.materialize(kept[0]), (x * 2).exp().detach())
+    assert type(kept[0] + 1) is torch.Tensor
+    with dtr.enable(stress=True) as session:  # a later session works
+        (x * 3).sum().backward()
+    assert session.stats().ops > 0
+    assert torch.equal(x.grad, torch.full((4, 4), 3.0))
+
+
+def test_nested_enable_is_rejected_and_outer_survives(core):
+    with dtr.enable() as outer:
+        y = torch.randn(3, requires_grad=True) * 2
+        with pytest.raises(dtr.DTRError, match="already active"):
+            with dtr.enable():
+                pass
+        assert outer.active
+        y.sum().backward()
+    assert not outer.active
+
+
+def test_set_budget_inside_block(core):
+    x = torch.randn(64, 64, requires_grad=True)
+    with dtr.enable() as session:
+        hs = [x.tanh()]
+        for _ in range(10):
+            hs.append(hs[-1].tanh())
+        session.set_budget(8 * 64 * 64 * 4)
+        hs[-1].sum().backward()
+        stats = session.stats()
+    assert stats.budget_bytes == 8 * 64 * 64 * 4
+    assert stats.evictions > 0
+    assert torch.equal(x.grad, _tanh_chain_grad(x, 11))
+
+
+def _tanh_chain_grad(x, n):
+    x2 = x.detach().requires_grad_()
+    h = x2
+    for _ in range(n):
+        h = h.tanh()
+    h.sum().backward()
+    return x2.grad
+
+
+def test_wrappers_used_from_another_thread(core):
+    # dtr's mode is per thread; a managed tensor used on another thread is served by
+    # the same runtime under its lock.
+    x = torch.randn(32, 32, requires_grad=True)
+    with dtr.enable(budget=40 * 1024, cost_model="roofline", check=True) as session:
+        hs = [x.sin()]
+        for _ in range(8):
+            hs.append(hs[-1].sin())
+        results = {}
+
+        def worker(i):
+            results[i] = (hs[i] * 2).sum().item()
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        total = hs[-1].sum()
+        total.backward()
+    ref = x.detach()
+    for i in range(4):
+        ref_i = ref
+        for _ in range(i + 1):
+            ref_i = ref_i.sin()
+        assert results[i] == (ref_i * 2).sum().item()
+    assert session.stats().peak_resident_bytes <= 40 * 1024
+
+
+def test_metadata_inplace_on_managed_tensor_is_a_clear_error(core):
+    with dtr.enable():
+        x = torch.randn(4, 4, requires_grad=True) * 1
+        with pytest.raises(dtr.UnsupportedError, match="dtr: .*resize_"):
+            x.detach().resize_(16)
