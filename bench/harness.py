@@ -31,8 +31,15 @@ def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {kind!r}")
 
 
-def train(name: str, steps: int = 3, optimizer: str = "sgd", dtr_kwargs: dict | None = None,
-          model_seed: int = 0, data_seed: int = 1, rng_seed: int = 2) -> Trajectory:
+def train(
+    name: str,
+    steps: int = 3,
+    optimizer: str = "sgd",
+    dtr_kwargs: dict | None = None,
+    model_seed: int = 0,
+    data_seed: int = 1,
+    rng_seed: int = 2,
+) -> Trajectory:
     """Train `steps` steps; under dtr.enable(**dtr_kwargs) unless it is None (eager)."""
     spec = MODELS[name]
     model = build(name, model_seed)
@@ -64,8 +71,9 @@ def mismatches(a: Trajectory, b: Trajectory) -> list[str]:
         out.append(f"losses {a.losses} != {b.losses}")
     for step, (ga, gb) in enumerate(zip(a.grads, b.grads)):
         for i, (x, y) in enumerate(zip(ga, gb)):
-            if (x is None) != (y is None) or (x is not None and (
-                    type(y) is not torch.Tensor or not torch.equal(x, y))):
+            if (x is None) != (y is None) or (
+                x is not None and (type(y) is not torch.Tensor or not torch.equal(x, y))
+            ):
                 out.append(f"grad {i} at step {step}")
     for kind, xs, ys in (("param", a.params, b.params), ("buffer", a.buffers, b.buffers)):
         for i, (x, y) in enumerate(zip(xs, ys)):

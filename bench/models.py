@@ -43,8 +43,9 @@ class Block(nn.Module):
         self.bn2 = nn.BatchNorm2d(cout)
         self.down = None
         if stride != 1 or cin != cout:
-            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                      nn.BatchNorm2d(cout))
+            self.down = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x):
         identity = x if self.down is None else self.down(x)
@@ -57,10 +58,16 @@ class Block(nn.Module):
 class CNN(nn.Module):
     def __init__(self, width: int = 8, classes: int = 10):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False),
-                                  nn.BatchNorm2d(width), nn.ReLU(inplace=True))
-        self.blocks = nn.Sequential(Block(width, width), Block(width, width), Block(width, width),
-                                    Block(width, 2 * width, 2), Block(2 * width, 2 * width))
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)
+        )
+        self.blocks = nn.Sequential(
+            Block(width, width),
+            Block(width, width),
+            Block(width, width),
+            Block(width, 2 * width, 2),
+            Block(2 * width, 2 * width),
+        )
         self.head = nn.Linear(2 * width, classes)
 
     def forward(self, x):
@@ -85,8 +92,15 @@ class LSTMLM(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, vocab: int = 50, dim: int = 32, heads: int = 4, layers: int = 4,
-                 p: float = 0.1, max_len: int = 64):
+    def __init__(
+        self,
+        vocab: int = 50,
+        dim: int = 32,
+        heads: int = 4,
+        layers: int = 4,
+        p: float = 0.1,
+        max_len: int = 64,
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(max_len, dim) * 0.02)
@@ -133,8 +147,8 @@ class TreeNet(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class Spec:
     name: str
-    build: Callable[[], nn.Module]
-    batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    build: Callable[[int], nn.Module]  # scale -> model
+    batch: Callable[[torch.Generator, int], tuple]  # (generator, scale) -> batch
     loss: Callable[[nn.Module, tuple], torch.Tensor]
 
 
@@ -149,32 +163,58 @@ def _lm(model, batch):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def _tokens(g, batch=16, seq=16, vocab=50):
+def _tokens(g, batch, seq, vocab=50):
     x = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
+# scale 1: the test size (seconds on a CPU). Larger scales grow the tensors, not the
+# depth, so that each op's compute dominates the per-op dispatch cost (benchmarks).
 MODELS: dict[str, Spec] = {
-    "mlp": Spec("mlp", MLP,
-                lambda g: (torch.randn(256, 32, generator=g), torch.randint(0, 10, (256,), generator=g)),
-                _classify),
-    "cnn": Spec("cnn", CNN,
-                lambda g: (torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)),
-                _classify),
-    "lstm": Spec("lstm", LSTMLM, _tokens, _lm),
-    "transformer": Spec("transformer", Transformer, _tokens, _lm),
-    "tree": Spec("tree", TreeNet,
-                 lambda g: (torch.randint(0, 30, (12, 32), generator=g),
-                            torch.randint(0, 4, (32,), generator=g)),
-                 _classify),
+    "mlp": Spec(
+        "mlp",
+        lambda s: MLP(width=32 * s),
+        lambda g, s: (
+            torch.randn(256 * s, 32 * s, generator=g),
+            torch.randint(0, 10, (256 * s,), generator=g),
+        ),
+        _classify,
+    ),
+    "cnn": Spec(
+        "cnn",
+        lambda s: CNN(width=8 * s),
+        lambda g, s: (
+            torch.randn(16, 3, 16 * s, 16 * s, generator=g),
+            torch.randint(0, 10, (16,), generator=g),
+        ),
+        _classify,
+    ),
+    "lstm": Spec(
+        "lstm", lambda s: LSTMLM(dim=32 * s), lambda g, s: _tokens(g, 16 * s, 16 * s), _lm
+    ),
+    "transformer": Spec(
+        "transformer",
+        lambda s: Transformer(dim=32 * s, max_len=64 * s),
+        lambda g, s: _tokens(g, 16, 16 * s),
+        _lm,
+    ),
+    "tree": Spec(
+        "tree",
+        lambda s: TreeNet(dim=16 * s),
+        lambda g, s: (
+            torch.randint(0, 30, (12, 32 * s), generator=g),
+            torch.randint(0, 4, (32 * s,), generator=g),
+        ),
+        _classify,
+    ),
 }
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
+def build(name: str, seed: int = 0, scale: int = 1) -> nn.Module:
     torch.manual_seed(seed)
-    return MODELS[name].build()
+    return MODELS[name].build(scale)
 
 
-def batches(name: str, steps: int, seed: int = 1) -> list[tuple]:
+def batches(name: str, steps: int, seed: int = 1, scale: int = 1) -> list[tuple]:
     g = torch.Generator().manual_seed(seed)
-    return [MODELS[name].batch(g) for _ in range(steps)]
+    return [MODELS[name].batch(g, scale) for _ in range(steps)]

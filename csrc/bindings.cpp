@@ -14,9 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("HEURISTICS") = py::cast(dtr::heuristic_names());
   m.attr("TORCH_VERSION") = py::str(DTR_TORCH_VERSION);
   py::class_<dtr::Core>(m, "Core")
-      .def(py::init<const std::string&, int64_t, uint64_t, int64_t>(),
-           py::arg("heuristic") = "dtr", py::arg("budget") = -1, py::arg("seed") = 0,
-           py::arg("min_evict_bytes") = 0)
+      .def(py::init<const std::string&, int64_t, uint64_t, int64_t>(), py::arg("heuristic") = "dtr",
+           py::arg("budget") = -1, py::arg("seed") = 0, py::arg("min_evict_bytes") = 0)
       .def("new_constant", &dtr::Core::new_constant)
       .def("record", &dtr::Core::record)
       .def("retain", &dtr::Core::retain)
@@ -27,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("drain", &dtr::Core::drain)
       .def("make_room", &dtr::Core::make_room, py::arg("extra") = 0)
       .def("evict_all", &dtr::Core::evict_all)
+      .def("reset_peak", &dtr::Core::reset_peak)
       .def("remat_begin", &dtr::Core::remat_begin)
       .def("remat_step", &dtr::Core::remat_step)
       .def("remat_abort", &dtr::Core::remat_abort)

@@ -25,13 +25,12 @@ bool contains(const std::vector<int64_t>& v, int64_t x) {
 }  // namespace
 
 const std::vector<std::string>& heuristic_names() {
-  static const std::vector<std::string> names = {"dtr", "dtr_eq", "dtr_local", "lru",
-                                                 "size", "msps", "random"};
+  static const std::vector<std::string> names = {"dtr",  "dtr_eq", "dtr_local", "lru",
+                                                 "size", "msps",   "random"};
   return names;
 }
 
-Core::Core(const std::string& heuristic_, int64_t budget_, uint64_t seed,
-           int64_t min_evict_bytes_)
+Core::Core(const std::string& heuristic_, int64_t budget_, uint64_t seed, int64_t min_evict_bytes_)
     : heuristic(heuristic_), budget(budget_), min_evict_bytes(min_evict_bytes_), rng_(seed) {
   const auto& names = heuristic_names();
   auto it = std::find(names.begin(), names.end(), heuristic_);
@@ -779,8 +778,7 @@ int64_t Core::locked_bytes() const {
 std::vector<std::pair<int64_t, int64_t>> Core::largest_pinned(int64_t k) const {
   std::vector<std::pair<int64_t, int64_t>> rows;  // (nbytes, tid)
   for (const PoolRec& p : pools_)
-    if (p.used && p.resident && !p.members.empty() &&
-        (p.constant || p.pinned > 0 || p.locks > 0))
+    if (p.used && p.resident && !p.members.empty() && (p.constant || p.pinned > 0 || p.locks > 0))
       rows.emplace_back(p.nbytes, p.members[0]);
   std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
     return a.first != b.first ? a.first > b.first : a.second < b.second;

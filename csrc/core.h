@@ -78,8 +78,7 @@ class Core {
   // recording
   int64_t new_constant(int64_t nbytes);  // starts with one handle (the op in flight)
   std::vector<int64_t> record(const std::vector<int64_t>& inputs, double cost,
-                              const std::vector<int64_t>& kinds,
-                              const std::vector<int64_t>& refs,
+                              const std::vector<int64_t>& kinds, const std::vector<int64_t>& refs,
                               const std::vector<int64_t>& nbytes);
   // handles
   void retain(int64_t tid);
@@ -90,6 +89,7 @@ class Core {
   std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> drain();
   // eviction
   bool make_room(int64_t extra);
+  void reset_peak() { peak_bytes = max_bytes = resident_bytes; }
   int64_t evict_all();
   // rematerialization (see the note above remat_begin in core.cpp)
   void remat_begin(int64_t tid);

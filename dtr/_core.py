@@ -6,6 +6,7 @@ another torch, dtr warns once, says why and how to rebuild, and uses the twin.
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import torch
@@ -16,19 +17,28 @@ from .config import DTRConfig
 _warned = False
 
 
-def _load_extension():
+def _fallback(reason: str) -> None:
     global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"dtr: the C++ core (dtr._C) {reason}; using the pure-Python core, which makes "
+            f"the same decisions more slowly. Rebuild it against the installed torch "
+            f"{torch.__version__}: `pip install --no-build-isolation -e .` in the dtr "
+            f"checkout (or set DTR_FORCE_PYTHON=1 to silence this).",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def _load_extension():
     try:
-        from . import _C
+        _C = importlib.import_module("dtr._C")
     except ImportError as exc:
-        if not _warned:
-            _warned = True
-            warnings.warn(
-                f"dtr: the C++ core (dtr._C) could not be loaded ({exc}); using the "
-                f"pure-Python core, which makes the same decisions more slowly. It must be "
-                f"built against the installed torch {torch.__version__}: run "
-                f"`pip install --no-build-isolation -e .` in the dtr checkout.",
-                RuntimeWarning, stacklevel=3)
+        _fallback(f"could not be loaded ({exc})")
+        return None
+    if getattr(_C, "TORCH_VERSION", None) != torch.__version__:
+        _fallback(f"was built for torch {getattr(_C, 'TORCH_VERSION', '?')}")
         return None
     return _C
 

@@ -51,8 +51,17 @@ class _Tensor:
 
 class _Pool:
     __slots__ = (
-        "nbytes", "resident", "constant", "pinned", "members", "alive", "locks",
-        "last_access", "cost", "uf", "doomed",
+        "nbytes",
+        "resident",
+        "constant",
+        "pinned",
+        "members",
+        "alive",
+        "locks",
+        "last_access",
+        "cost",
+        "uf",
+        "doomed",
     )
 
     def __init__(self, nbytes: int, resident: bool, constant: bool, now: float):
@@ -94,8 +103,9 @@ class _Recipe:
 class PyCore:
     """Bookkeeping, heuristics and victim selection. Same interface as ``dtr._C.Core``."""
 
-    def __init__(self, heuristic: str = "dtr", budget: int = -1, seed: int = 0,
-                 min_evict_bytes: int = 0):
+    def __init__(
+        self, heuristic: str = "dtr", budget: int = -1, seed: int = 0, min_evict_bytes: int = 0
+    ):
         if heuristic not in HEURISTICS:
             raise CoreError(f"dtr: unknown heuristic {heuristic!r}")
         self.heuristic = heuristic
@@ -181,8 +191,9 @@ class PyCore:
         pid = self._new_pool(int(nbytes), True, True)
         return self._new_tensor(pid, -1, 1, True)
 
-    def record(self, inputs: list[int], cost: float, kinds: list[int], refs: list[int],
-               nbytes: list[int]) -> list[int]:
+    def record(
+        self, inputs: list[int], cost: float, kinds: list[int], refs: list[int], nbytes: list[int]
+    ) -> list[int]:
         """Record one op call that has just run; returns the tids of its outputs.
 
         Each output k is NEW (fresh storage of nbytes[k]), VIEW (joins the pool of tensor
@@ -408,8 +419,7 @@ class PyCore:
 
     # ------------------------------------------------------------------ eviction
     def _evictable(self, p: _Pool) -> bool:
-        return (p.resident and not p.constant and p.pinned == 0 and p.locks == 0
-                and p.nbytes > 0)
+        return p.resident and not p.constant and p.pinned == 0 and p.locks == 0 and p.nbytes > 0
 
     def _maybe_eager_evict(self, pid: int) -> None:
         # Only pools the program let go of: tensors rebuilt for lineage stay resident
@@ -445,6 +455,10 @@ class PyCore:
             self.peak_bytes = self.resident_bytes
         return True
 
+    def reset_peak(self) -> None:
+        """Start measuring peak_bytes and max_bytes afresh from the current count."""
+        self.peak_bytes = self.max_bytes = self.resident_bytes
+
     def evict_all(self) -> int:
         """Stress mode: evict every evictable pool."""
         n = 0
@@ -458,8 +472,11 @@ class PyCore:
     def _choose(self) -> int:
         best, best_score = -1, math.inf
         if self._h == 6:  # random: uniform over the candidates
-            cands = [pid for pid, p in enumerate(self._P) if p is not None
-                     and self._evictable(p) and p.nbytes >= self.min_evict_bytes]
+            cands = [
+                pid
+                for pid, p in enumerate(self._P)
+                if p is not None and self._evictable(p) and p.nbytes >= self.min_evict_bytes
+            ]
             if not cands:
                 return -1
             return cands[self._next_random() % len(cands)]
@@ -662,8 +679,14 @@ class PyCore:
                 continue
             t = self._T[old]
             p = self._P[t.pool]
-            if (t.mat and t.ext == 0 and t.lock == 1 and p.pinned == 0 and not p.constant
-                    and all(m == old or not self._T[m].mat for m in p.members)):
+            if (
+                t.mat
+                and t.ext == 0
+                and t.lock == 1
+                and p.pinned == 0
+                and not p.constant
+                and all(m == old or not self._T[m].mat for m in p.members)
+            ):
                 out.append(k)
         return out
 
@@ -676,8 +699,9 @@ class PyCore:
 
     def remat_done(self, rid: int, nbytes: list[int], stolen: list[int] = ()) -> None:
         """The recipe was rerun: its kept outputs are materialized (its inputs stay locked
-        until remat_step() moves on). nbytes[k] is the measured storage size of output k (fresh outputs); stolen lists
-        the outputs computed in the storage of the tensor they update (see steals())."""
+        until remat_step() moves on). nbytes[k] is the measured storage size of output k;
+        stolen lists the outputs computed in the storage of the tensor they update (see
+        steals())."""
         r = self._R[rid]
         self.remats += 1
         self.remat_cost += r.cost
@@ -718,8 +742,7 @@ class PyCore:
         its pool the program holds, and every member can be recomputed."""
         t = self._T[tid]
         p = self._P[t.pool]
-        return (not p.constant and p.pinned == 0 and t.recipe >= 0 and t.ext > 0
-                and p.alive == 1)
+        return not p.constant and p.pinned == 0 and t.recipe >= 0 and t.ext > 0 and p.alive == 1
 
     def is_constant(self, tid: int) -> bool:
         return self._P[self._T[tid].pool].constant
@@ -759,31 +782,49 @@ class PyCore:
 
     def alive(self) -> list[int]:
         """Managed tensors the program still holds."""
-        return [tid for tid, t in enumerate(self._T)
-                if t is not None and t.ext > 0 and not self._P[t.pool].constant]
+        return [
+            tid
+            for tid, t in enumerate(self._T)
+            if t is not None and t.ext > 0 and not self._P[t.pool].constant
+        ]
 
     def pinned_bytes(self) -> int:
-        return sum(p.nbytes for p in self._P
-                   if p is not None and p.resident and (p.constant or p.pinned > 0))
+        return sum(
+            p.nbytes
+            for p in self._P
+            if p is not None and p.resident and (p.constant or p.pinned > 0)
+        )
 
     def constant_bytes(self) -> int:
         return sum(p.nbytes for p in self._P if p is not None and p.constant)
 
     def locked_bytes(self) -> int:
-        return sum(p.nbytes for p in self._P if p is not None and p.resident
-                   and not p.constant and p.pinned == 0 and p.locks > 0)
+        return sum(
+            p.nbytes
+            for p in self._P
+            if p is not None and p.resident and not p.constant and p.pinned == 0 and p.locks > 0
+        )
 
     def largest_pinned(self, k: int) -> list[tuple[int, int]]:
         """(a member tid, bytes) of the k largest resident pools that cannot be evicted."""
-        rows = [(p.nbytes, p.members[0]) for p in self._P if p is not None and p.resident
-                and p.members and (p.constant or p.pinned > 0 or p.locks > 0)]
+        rows = [
+            (p.nbytes, p.members[0])
+            for p in self._P
+            if p is not None
+            and p.resident
+            and p.members
+            and (p.constant or p.pinned > 0 or p.locks > 0)
+        ]
         rows.sort(key=lambda r: (-r[0], r[1]))
         return [(tid, nb) for nb, tid in rows[:k]]
 
     def counts(self) -> tuple[int, int, int]:
         """Live (tensors, pools, recipes)."""
-        return (sum(t is not None for t in self._T), sum(p is not None for p in self._P),
-                sum(r is not None for r in self._R))
+        return (
+            sum(t is not None for t in self._T),
+            sum(p is not None for p in self._P),
+            sum(r is not None for r in self._R),
+        )
 
     def check(self) -> None:
         """Verify the internal invariants; raises CoreError on the first violation."""
@@ -797,8 +838,10 @@ class PyCore:
             locks = sum(self._T[m].lock for m in p.members)
             pinned = sum(1 for m in p.members if self._T[m].recipe < 0) if not p.constant else 0
             if (alive, locks, pinned) != (p.alive, p.locks, p.pinned):
-                raise CoreError(f"dtr: pool {pid} counters {(p.alive, p.locks, p.pinned)} "
-                                f"!= {(alive, locks, pinned)}")
+                raise CoreError(
+                    f"dtr: pool {pid} counters {(p.alive, p.locks, p.pinned)} "
+                    f"!= {(alive, locks, pinned)}"
+                )
             for m in p.members:
                 if self._T[m].pool != pid:
                     raise CoreError(f"dtr: tensor {m} not in its pool {pid}")

@@ -53,16 +53,21 @@ class DTRConfig:
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and (
-            isinstance(self.budget_bytes, bool) or not isinstance(self.budget_bytes, int)
+            isinstance(self.budget_bytes, bool)
+            or not isinstance(self.budget_bytes, int)
             or self.budget_bytes <= 0
         ):
-            raise ConfigError(f"dtr: budget_bytes must be a positive int, got {self.budget_bytes!r}")
+            raise ConfigError(
+                f"dtr: budget_bytes must be a positive int, got {self.budget_bytes!r}"
+            )
         if self.heuristic not in HEURISTICS:
             raise ConfigError(
-                f"dtr: unknown heuristic {self.heuristic!r}; valid: {', '.join(HEURISTICS)}")
+                f"dtr: unknown heuristic {self.heuristic!r}; valid: {', '.join(HEURISTICS)}"
+            )
         if self.cost_model not in COST_MODELS:
-            raise ConfigError(f"dtr: unknown cost_model {self.cost_model!r}; valid: "
-                              f"{', '.join(COST_MODELS)}")
+            raise ConfigError(
+                f"dtr: unknown cost_model {self.cost_model!r}; valid: {', '.join(COST_MODELS)}"
+            )
         for name in ("stress", "check", "force_python"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"dtr: option {name} must be a bool, got {getattr(self, name)!r}")
@@ -94,8 +99,9 @@ def _env_flag(env: Mapping[str, str], name: str) -> bool | None:
         return True
     if low in _FALSE:
         return False
-    raise ConfigError(f"dtr: environment variable {name}={raw!r} must be one of "
-                      f"{', '.join(_TRUE + _FALSE[:-1])}")
+    raise ConfigError(
+        f"dtr: environment variable {name}={raw!r} must be one of {', '.join(_TRUE + _FALSE[:-1])}"
+    )
 
 
 def force_python(env: Mapping[str, str] | None = None) -> bool:
@@ -103,14 +109,19 @@ def force_python(env: Mapping[str, str] | None = None) -> bool:
     return bool(_env_flag(os.environ if env is None else env, ENV_FORCE_PYTHON))
 
 
-def resolve(budget: object = None, heuristic: str | None = None,
-            env: Mapping[str, str] | None = None, **options: object) -> DTRConfig:
+def resolve(
+    budget: object = None,
+    heuristic: str | None = None,
+    env: Mapping[str, str] | None = None,
+    **options: object,
+) -> DTRConfig:
     """Combine explicit arguments, environment variables and defaults into a DTRConfig."""
     env = os.environ if env is None else env
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise ConfigError(f"dtr: unknown option(s) {', '.join(unknown)}; valid options: "
-                          f"{', '.join(OPTIONS)}")
+        raise ConfigError(
+            f"dtr: unknown option(s) {', '.join(unknown)}; valid options: {', '.join(OPTIONS)}"
+        )
     if budget is None:
         raw = env.get(ENV_BUDGET, "").strip()
         budget_bytes = parse_budget(raw, f"{ENV_BUDGET} value") if raw else None
@@ -119,11 +130,14 @@ def resolve(budget: object = None, heuristic: str | None = None,
     if heuristic is None:
         heuristic = env.get(ENV_HEURISTIC, "").strip() or "dtr"
         if heuristic not in HEURISTICS:
-            raise ConfigError(f"dtr: unknown heuristic {heuristic!r} in {ENV_HEURISTIC}; "
-                              f"valid: {', '.join(HEURISTICS)}")
+            raise ConfigError(
+                f"dtr: unknown heuristic {heuristic!r} in {ENV_HEURISTIC}; "
+                f"valid: {', '.join(HEURISTICS)}"
+            )
     elif not isinstance(heuristic, str):
-        raise ConfigError(f"dtr: heuristic must be a string, got {heuristic!r}; "
-                          f"valid: {', '.join(HEURISTICS)}")
+        raise ConfigError(
+            f"dtr: heuristic must be a string, got {heuristic!r}; valid: {', '.join(HEURISTICS)}"
+        )
     stress = options.get("stress")
     if stress is None:
         stress = bool(_env_flag(env, ENV_STRESS))

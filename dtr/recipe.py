@@ -20,11 +20,23 @@ VERSION_SPEC = -1
 
 
 class Recipe:
-    __slots__ = ("func", "args", "kwargs", "where", "inputs", "clone", "specs", "rng",
-                 "outputs", "facts", "grad")
+    __slots__ = (
+        "func",
+        "args",
+        "kwargs",
+        "where",
+        "inputs",
+        "clone",
+        "specs",
+        "rng",
+        "outputs",
+        "facts",
+        "grad",
+    )
 
-    def __init__(self, func, facts, args, kwargs, where, inputs, clone, specs, captured,
-                 grad: bool):
+    def __init__(
+        self, func, facts, args, kwargs, where, inputs, clone, specs, captured, grad: bool
+    ):
         self.func = func
         self.facts = facts
         self.args = args  # tensors replaced by None
@@ -42,8 +54,10 @@ class Recipe:
         its outputs in core order. The caller has materialized and locked the inputs.
         Outputs listed in stolen are computed in place in their old version's storage
         (the core allowed it); other written arguments are copied first (Invariant 4)."""
-        vals = [x.value if type(x) is Node else x.get() if type(x) is StandIn else x
-                for x in self.inputs]
+        vals = [
+            x.value if type(x) is Node else x.get() if type(x) is StandIn else x
+            for x in self.inputs
+        ]
         in_place = {self.specs[k][1] for k in stolen}
         for k in self.clone:
             if k not in in_place:

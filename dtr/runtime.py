@@ -49,6 +49,7 @@ class Runtime:
         self.storages: dict[int, int] = {}  # storage key -> constant tid
         self.const_keys: dict[int, int] = {}  # constant tid -> storage key
         self.escaped: dict[int, Node] = {}  # storage key -> managed node handed out plain
+        self.escaped_keys: dict[int, int] = {}  # its tid -> storage key
         self.pending_refs: list[Node] = []  # handles the program dropped
         self.hooks: list = []
         self.lock = threading.RLock()
@@ -88,7 +89,8 @@ class Runtime:
                 raise UnsupportedError(
                     f"dtr: {facts.name} changes the sizes or storage of a managed tensor in "
                     "place, which dtr does not support; use the out-of-place op, or "
-                    "dtr.materialize() the tensor first")
+                    "dtr.materialize() the tensor first"
+                )
             return self._run(func, facts, call, writes)
 
     # ================================================================== managed op
@@ -119,8 +121,7 @@ class Runtime:
             for k in range(n):
                 if nodes[k] is not None:
                     vals[k] = self._value(nodes[k])
-            versioned, snaps = self._prepare_writes(facts, written, nodes, tids, vals,
-                                                    fresh_consts)
+            versioned, snaps = self._prepare_writes(facts, written, nodes, tids, vals, fresh_consts)
             captured = None
             extra_inputs: list[int] = []
             if facts.seeded:
@@ -134,8 +135,21 @@ class Runtime:
             cost = _perf() - start
             if self.model_cost:
                 cost = _cost.roofline(func, real_args, real_kwargs, out)
-            result, fresh = self._record(func, facts, call, out, nodes, tids, vals, written,
-                                         versioned, snaps, captured, cost, extra_inputs)
+            result, fresh = self._record(
+                func,
+                facts,
+                call,
+                out,
+                nodes,
+                tids,
+                vals,
+                written,
+                versioned,
+                snaps,
+                captured,
+                cost,
+                extra_inputs,
+            )
         finally:
             for tid in locked:
                 core.unlock(tid)
@@ -164,8 +178,18 @@ class Runtime:
         for tid in fresh_consts:
             self.core.release(tid)
         t_args, t_kwargs = substitute(args, kwargs, call.where, [None] * len(stand_ins))
-        rec = Recipe(func, facts, t_args, t_kwargs, call.where, stand_ins, (), [(0, -1)],
-                     captured, torch.is_grad_enabled())
+        rec = Recipe(
+            func,
+            facts,
+            t_args,
+            t_kwargs,
+            call.where,
+            stand_ins,
+            (),
+            [(0, -1)],
+            captured,
+            torch.is_grad_enabled(),
+        )
         node = Node(out_tids[0], out, facts.name, out.shape)
         self._set_node(node.tid, node)
         rec.outputs.append(node)
@@ -200,8 +224,22 @@ class Runtime:
                     snaps[k] = (snap, self._constant(snap, fresh_consts))
         return versioned, snaps
 
-    def _record(self, func, facts, call, out, nodes, tids, vals, written, versioned, snaps,
-                captured, cost, extra_inputs):
+    def _record(
+        self,
+        func,
+        facts,
+        call,
+        out,
+        nodes,
+        tids,
+        vals,
+        written,
+        versioned,
+        snaps,
+        captured,
+        cost,
+        extra_inputs,
+    ):
         """Tell the core about the outputs, wrap them, and build the recipe."""
         kinds: list[int] = []
         refs: list[int] = []
@@ -240,15 +278,26 @@ class Runtime:
         if not kinds:
             return rebuild_returns(facts, out, replacements), ()
         inputs = list(tids)
-        rec_inputs: list = [nodes[k] if nodes[k] is not None else call.leaves[k]
-                            for k in range(len(tids))]
+        rec_inputs: list = [
+            nodes[k] if nodes[k] is not None else call.leaves[k] for k in range(len(tids))
+        ]
         for k, (snap, snap_tid) in snaps.items():
             inputs[k] = snap_tid
             rec_inputs[k] = snap
         out_tids = self.core.record(inputs + extra_inputs, cost, kinds, refs, nbytes)
         args, kwargs = substitute(call.args, call.kwargs, call.where, [None] * len(tids))
-        rec = Recipe(func, facts, args, kwargs, call.where, rec_inputs, tuple(written), specs,
-                     captured, torch.is_grad_enabled())
+        rec = Recipe(
+            func,
+            facts,
+            args,
+            kwargs,
+            call.where,
+            rec_inputs,
+            tuple(written),
+            specs,
+            captured,
+            torch.is_grad_enabled(),
+        )
         name = facts.name
         fresh: list[int] = []
         for (i, j), tid, value, kind in zip(specs, out_tids, produced, kinds):
@@ -412,7 +461,9 @@ class Runtime:
             finally:
                 self.core.unlock(node.tid)
             self.core.pin(node.tid)
-            self.escaped[value.untyped_storage()._cdata] = node
+            key = value.untyped_storage()._cdata
+            self.escaped[key] = node
+            self.escaped_keys[node.tid] = key
             self._drain()
             return value
 
@@ -459,6 +510,9 @@ class Runtime:
             key = self.const_keys.pop(t, None)
             if key is not None:
                 del self.storages[key]
+            key = self.escaped_keys.pop(t, None)
+            if key is not None and self.escaped.get(key) is node:
+                del self.escaped[key]
         recipes = self.recipes
         for r in dropped_recipes:
             recipes[r] = None
@@ -488,7 +542,8 @@ class Runtime:
             f"requested, {format_bytes(core.pinned_bytes())} pinned (constants and tensors "
             f"that cannot be recomputed) and {format_bytes(core.locked_bytes())} locked by "
             f"the running op, none of which can be evicted. Largest unevictable: "
-            f"{largest or 'none'}. Raise the budget or reduce the batch size.")
+            f"{largest or 'none'}. Raise the budget or reduce the batch size."
+        )
 
     def close(self) -> None:
         """End of the block: materialize everything the program still holds, so that it
@@ -514,6 +569,7 @@ class Runtime:
                 self.storages.clear()
                 self.const_keys.clear()
                 self.escaped.clear()
+                self.escaped_keys.clear()
                 self.pending_refs.clear()
                 self.recipes = []
 
@@ -546,8 +602,9 @@ def _device_of(leaves) -> torch.device:
 def _unwrap_foreign(call: Call, rt: Runtime):
     """Wrappers of an ended session are plain tensors to a new one."""
     values = [
-        materialize_ref(t._dtr_ref) if isinstance(t, CheckpointTensor)
-        and t._dtr_ref.runtime is not rt else t
+        materialize_ref(t._dtr_ref)
+        if isinstance(t, CheckpointTensor) and t._dtr_ref.runtime is not rt
+        else t
         for t in call.leaves
     ]
     return substitute(call.args, call.kwargs, call.where, values)
@@ -573,8 +630,10 @@ def materialize_ref(ref: Ref, export: bool = False) -> torch.Tensor:
         return rt.export(ref) if export else rt.read(ref)
     value = ref.node.value
     if value is None:
-        raise DTRError("dtr: this tensor was evicted and could not be recomputed when its "
-                       "dtr.enable() block ended")
+        raise DTRError(
+            "dtr: this tensor was evicted and could not be recomputed when its "
+            "dtr.enable() block ended"
+        )
     return value
 
 
@@ -587,7 +646,8 @@ def dispatch_without_mode(func, args: tuple, kwargs: dict):
     for t in call.leaves:
         if isinstance(t, CheckpointTensor) and t._dtr_ref.runtime.is_open:
             return t._dtr_ref.runtime.handle(func, args, kwargs)
-    values = [materialize_ref(t._dtr_ref) if isinstance(t, CheckpointTensor) else t
-              for t in call.leaves]
+    values = [
+        materialize_ref(t._dtr_ref) if isinstance(t, CheckpointTensor) else t for t in call.leaves
+    ]
     new_args, new_kwargs = substitute(call.args, call.kwargs, call.where, values)
     return func(*new_args, **new_kwargs)

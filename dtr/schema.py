@@ -48,9 +48,18 @@ _HIDDEN_WRITES: dict[str, Callable[[list], tuple[int, ...]]] = {
 # Ops that read nothing but their tensor arguments' metadata. Their recipes depend on no
 # value, so recomputing an ``empty_like(x)`` never recomputes x (dropout's mask starts so).
 _META_ONLY = {
-    "aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like",
-    "aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::new_empty",
-    "aten::new_empty_strided", "aten::new_zeros", "aten::new_ones", "aten::new_full",
+    "aten::empty_like",
+    "aten::zeros_like",
+    "aten::ones_like",
+    "aten::full_like",
+    "aten::rand_like",
+    "aten::randn_like",
+    "aten::randint_like",
+    "aten::new_empty",
+    "aten::new_empty_strided",
+    "aten::new_zeros",
+    "aten::new_ones",
+    "aten::new_full",
 }
 
 _METADATA_INPLACE = {"aten::set_", "aten::resize_", "aten::resize_as_", "aten::resize_as_sparse_"}
@@ -68,14 +77,25 @@ def op_facts(func) -> OpFacts:
 def _compute(func) -> OpFacts:
     schema = func._schema
     names = tuple(a.name for a in schema.arguments)
-    writes = frozenset(i for i, a in enumerate(schema.arguments)
-                       if a.alias_info is not None and a.alias_info.is_write)
-    generator = next((i for i, a in enumerate(schema.arguments)
-                      if str(a.type).startswith("Optional[Generator]")
-                      or str(a.type) == "Generator"), -1)
+    writes = frozenset(
+        i
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+    generator = next(
+        (
+            i
+            for i, a in enumerate(schema.arguments)
+            if str(a.type).startswith("Optional[Generator]") or str(a.type) == "Generator"
+        ),
+        -1,
+    )
     tags = getattr(func, "tags", ())
-    fresh = any(r.alias_info is None or not r.alias_info.is_write for r in schema.returns
-                if "Tensor" in str(r.type))
+    fresh = any(
+        r.alias_info is None or not r.alias_info.is_write
+        for r in schema.returns
+        if "Tensor" in str(r.type)
+    )
     return OpFacts(
         name=str(func),
         arg_names=names,
@@ -86,8 +106,8 @@ def _compute(func) -> OpFacts:
         metadata_inplace=(torch.Tag.inplace_view in tags or schema.name in _METADATA_INPLACE),
         fresh_returns=fresh,
         nreturns=len(schema.returns),
-        view=bool(schema.returns) and all(
-            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns),
+        view=bool(schema.returns)
+        and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns),
         meta_only=schema.name in _META_ONLY and "device" in names,
         hidden_writes=_HIDDEN_WRITES.get(schema.name),
     )

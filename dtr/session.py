@@ -45,10 +45,12 @@ class Session:
                 raise DTRError(
                     "dtr: dtr.enable() is already active; nested or concurrent sessions are "
                     "not supported. End the outer block first, or change its budget with "
-                    "session.set_budget().")
+                    "session.set_budget()."
+                )
             if self._final is not None:
-                raise DTRError("dtr: a session can be entered only once; call dtr.enable() "
-                               "again for a new one")
+                raise DTRError(
+                    "dtr: a session can be entered only once; call dtr.enable() again for a new one"
+                )
             self._runtime = Runtime(self.config)
             self._mode = _Mode(self._runtime)
             self._mode.__enter__()
@@ -79,9 +81,17 @@ class Session:
             with self._runtime.lock:
                 return collect(self._runtime)
         if self._final is None:
-            raise DTRError("dtr: this session has not been entered yet; use it in a "
-                           "`with` statement")
+            raise DTRError(
+                "dtr: this session has not been entered yet; use it in a `with` statement"
+            )
         return self._final
+
+    def reset_peak(self) -> None:
+        """Measure peak_resident_bytes afresh from now on (e.g. once per training step)."""
+        if self._runtime is None:
+            raise DTRError("dtr: reset_peak() needs an active session")
+        with self._runtime.lock:
+            self._runtime.core.reset_peak()
 
     def set_budget(self, budget) -> None:
         """Change the budget inside the block (bytes, or a string such as '2GiB';

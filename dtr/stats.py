@@ -56,7 +56,8 @@ class Stats:
             f"{self.ops} ops, {self.evictions} evictions, {self.remats} remats "
             f"({self.recompute_seconds * 1e3:.1f} ms recomputing), peak "
             f"{format_bytes(self.peak_resident_bytes)}, resident "
-            f"{format_bytes(self.resident_bytes)} ({format_bytes(self.pinned_bytes)} pinned)")
+            f"{format_bytes(self.resident_bytes)} ({format_bytes(self.pinned_bytes)} pinned)"
+        )
 
 
 def collect(rt) -> Stats:

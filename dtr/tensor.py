@@ -55,8 +55,13 @@ class CheckpointTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, ref: Ref, like: torch.Tensor, requires_grad: bool = False):
         t = torch.Tensor._make_wrapper_subclass(
-            cls, like.size(), strides=like.stride(), storage_offset=like.storage_offset(),
-            dtype=like.dtype, device=like.device, layout=like.layout,
+            cls,
+            like.size(),
+            strides=like.stride(),
+            storage_offset=like.storage_offset(),
+            dtype=like.dtype,
+            device=like.device,
+            layout=like.layout,
             requires_grad=requires_grad,
         )
         t._dtr_ref = ref

@@ -7,13 +7,21 @@ import re
 
 _UNITS = {
     "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE](\d+))?\s*([a-zA-Z]*)\s*$")
-ACCEPTED = ("a positive number of bytes (int), or a string such as '800000B', '512MB', "
-            "'1.5GiB' (units B, KB, MB, GB, TB in powers of 1000; KiB, MiB, GiB, TiB in "
-            "powers of 1024)")
+ACCEPTED = (
+    "a positive number of bytes (int), or a string such as '800000B', '512MB', "
+    "'1.5GiB' (units B, KB, MB, GB, TB in powers of 1000; KiB, MiB, GiB, TiB in "
+    "powers of 1024)"
+)
 
 
 def parse_bytes(value: object) -> int:

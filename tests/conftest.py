@@ -27,6 +27,5 @@ def core(request, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in ("DTR_MEMORY_BUDGET", "DTR_HEURISTIC", "DTR_STRESS", "DTR_DEBUG",
-                 "DTR_COST_MODEL"):
+    for name in ("DTR_MEMORY_BUDGET", "DTR_HEURISTIC", "DTR_STRESS", "DTR_DEBUG", "DTR_COST_MODEL"):
         monkeypatch.delenv(name, raising=False)

@@ -10,25 +10,47 @@ import dtr
 from dtr.config import resolve
 
 
-@pytest.mark.parametrize("value, expected", [
-    (1000, 1000),
-    ("800000B", 800_000),
-    ("512MB", 512 * 10**6),
-    ("512mb", 512 * 10**6),
-    ("1.5GiB", int(1.5 * 2**30)),
-    ("2 GiB", 2 * 2**30),
-    ("64KiB", 64 * 1024),
-    ("3TB", 3 * 10**12),
-    ("1e6", 10**6),
-    ("123", 123),
-    (2.5e9, 2_500_000_000),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (1000, 1000),
+        ("800000B", 800_000),
+        ("512MB", 512 * 10**6),
+        ("512mb", 512 * 10**6),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("2 GiB", 2 * 2**30),
+        ("64KiB", 64 * 1024),
+        ("3TB", 3 * 10**12),
+        ("1e6", 10**6),
+        ("123", 123),
+        (2.5e9, 2_500_000_000),
+    ],
+)
 def test_budget_forms(value, expected):
     assert dtr.enable(budget=value).config.budget_bytes == expected
 
 
-@pytest.mark.parametrize("value", ["abc", "-1GB", "1.5XB", 0, "0", True, False, math.nan, "nan",
-                                   "inf", math.inf, -5, "", "12 G B", [1], "0.1B"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "abc",
+        "-1GB",
+        "1.5XB",
+        0,
+        "0",
+        True,
+        False,
+        math.nan,
+        "nan",
+        "inf",
+        math.inf,
+        -5,
+        "",
+        "12 G B",
+        [1],
+        "0.1B",
+    ],
+)
 def test_bad_budgets_are_clear_errors(value):
     with pytest.raises(dtr.ConfigError) as info:
         dtr.enable(budget=value)
@@ -52,14 +74,17 @@ def test_no_budget_anywhere_means_track_only():
     assert cfg.budget_bytes is None and cfg.heuristic == "dtr"
 
 
-@pytest.mark.parametrize("name, value, match", [
-    ("DTR_MEMORY_BUDGET", "lots", "DTR_MEMORY_BUDGET"),
-    ("DTR_MEMORY_BUDGET", "-3MB", "DTR_MEMORY_BUDGET"),
-    ("DTR_HEURISTIC", "best", "DTR_HEURISTIC"),
-    ("DTR_STRESS", "maybe", "DTR_STRESS"),
-    ("DTR_FORCE_PYTHON", "2", "DTR_FORCE_PYTHON"),
-    ("DTR_COST_MODEL", "guess", "cost_model"),
-])
+@pytest.mark.parametrize(
+    "name, value, match",
+    [
+        ("DTR_MEMORY_BUDGET", "lots", "DTR_MEMORY_BUDGET"),
+        ("DTR_MEMORY_BUDGET", "-3MB", "DTR_MEMORY_BUDGET"),
+        ("DTR_HEURISTIC", "best", "DTR_HEURISTIC"),
+        ("DTR_STRESS", "maybe", "DTR_STRESS"),
+        ("DTR_FORCE_PYTHON", "2", "DTR_FORCE_PYTHON"),
+        ("DTR_COST_MODEL", "guess", "cost_model"),
+    ],
+)
 def test_bad_env_values_name_the_variable(monkeypatch, name, value, match):
     monkeypatch.setenv(name, value)
     with pytest.raises(dtr.ConfigError, match=match):
@@ -78,8 +103,16 @@ def test_unknown_option():
         dtr.enable(budjet="1GB")
 
 
-@pytest.mark.parametrize("options", [{"stress": "yes"}, {"seed": -1}, {"min_evict_bytes": 1.5},
-                                     {"cost_model": "flops"}, {"check": 1}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"stress": "yes"},
+        {"seed": -1},
+        {"min_evict_bytes": 1.5},
+        {"cost_model": "flops"},
+        {"check": 1},
+    ],
+)
 def test_bad_option_values(options):
     with pytest.raises(dtr.ConfigError, match="dtr: "):
         dtr.enable(**options)
@@ -115,3 +148,41 @@ def test_stats_are_loggable():
     data = json.loads(stats.to_json())
     assert data["budget_bytes"] == 2**30 and data["ops"] == stats.ops
     assert "1.00 GiB" in str(stats)
+
+
+def test_missing_extension_warns_once_and_uses_the_twin(monkeypatch):
+    import sys
+    import warnings
+
+    import torch
+
+    from dtr import _core
+
+    monkeypatch.setitem(sys.modules, "dtr._C", None)  # makes `from . import _C` fail
+    monkeypatch.setattr(_core, "_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with dtr.enable() as s1:
+            (torch.ones(2, requires_grad=True) * 2).sum().backward()
+        with dtr.enable() as s2:
+            pass
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "dtr: the C++ core" in msgs[0] and "--no-build-isolation" in msgs[0]
+    assert s1.stats().core == "python" and s2.stats().core == "python"
+
+
+def test_extension_built_for_another_torch_is_not_used(monkeypatch):
+    import warnings
+
+    from dtr import _core
+
+    ext = _core._load_extension()
+    if ext is None:
+        pytest.skip("the C++ core is not built")
+    monkeypatch.setattr(ext, "TORCH_VERSION", "1.0.0")
+    monkeypatch.setattr(_core, "_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cls, kind = _core.core_class(False)
+    assert kind == "python"
+    assert any("built for torch 1.0.0" in str(w.message) for w in caught)

@@ -38,7 +38,7 @@ def rematerialize(core, tid, sizes):
 def chain(core, n, nbytes=100, cost=1.0):
     """t0 = op(); t_k = op(t_{k-1}); every tensor held. Returns (tids, rids, sizes)."""
     tids, rids, sizes = [], [], {}
-    for k in range(n):
+    for _ in range(n):
         inputs = [tids[-1]] if tids else []
         (t,) = core.record(inputs, cost, [NEW], [-1], [nbytes])
         tids.append(t)
@@ -51,9 +51,9 @@ def chain(core, n, nbytes=100, cost=1.0):
 
 def test_size_evicts_largest(Core):
     core = Core("size", 1000)
-    a, = core.record([], 1.0, [NEW], [-1], [300])
-    b, = core.record([], 1.0, [NEW], [-1], [500])
-    c, = core.record([], 1.0, [NEW], [-1], [400])
+    (a,) = core.record([], 1.0, [NEW], [-1], [300])
+    (b,) = core.record([], 1.0, [NEW], [-1], [500])
+    (c,) = core.record([], 1.0, [NEW], [-1], [400])
     assert core.make_room(0)
     assert not core.is_materialized(b) and core.is_materialized(a) and core.is_materialized(c)
     assert core.evictions == 1 and core.resident_bytes == 700
@@ -106,8 +106,8 @@ def test_release_frees_at_once_and_lineage_is_dropped(Core):
 
 def test_release_while_locked_evicts_on_unlock(Core):
     core = Core("dtr", -1)
-    a, = core.record([], 1.0, [NEW], [-1], [100])
-    b, = core.record([a], 1.0, [NEW], [-1], [100])
+    (a,) = core.record([], 1.0, [NEW], [-1], [100])
+    (b,) = core.record([a], 1.0, [NEW], [-1], [100])
     core.lock(a)
     core.release(a)
     assert core.is_materialized(a)
@@ -118,8 +118,8 @@ def test_release_while_locked_evicts_on_unlock(Core):
 
 def test_views_share_the_pool(Core):
     core = Core("dtr", -1)
-    base, = core.record([], 1.0, [NEW], [-1], [800])
-    view, = core.record([base], 0.1, [VIEW], [base], [0])
+    (base,) = core.record([], 1.0, [NEW], [-1], [800])
+    (view,) = core.record([base], 0.1, [VIEW], [base], [0])
     assert core.pool_of(view) == core.pool_of(base) and core.resident_bytes == 800
     assert core.evict_all() == 1
     assert not core.is_materialized(base) and not core.is_materialized(view)
@@ -130,10 +130,10 @@ def test_views_share_the_pool(Core):
 
 def test_version_keeps_old_lineage_and_steals_on_remat(Core):
     core = Core("dtr", -1)
-    m0, = core.record([], 1.0, [NEW], [-1], [400])  # empty_like
+    (m0,) = core.record([], 1.0, [NEW], [-1], [400])  # empty_like
     assert core.is_private(m0)
-    m1, = core.record([m0], 1.0, [VERSION], [m0], [0])  # bernoulli_
-    m2, = core.record([m1], 1.0, [VERSION], [m1], [0])  # div_
+    (m1,) = core.record([m0], 1.0, [VERSION], [m0], [0])  # bernoulli_
+    (m2,) = core.record([m1], 1.0, [VERSION], [m1], [0])  # div_
     assert core.pool_of(m2) != core.pool_of(m0)
     assert not core.is_materialized(m0) and not core.is_materialized(m1)
     assert core.ext(m0) == 0 and core.ext(m2) == 1 and core.resident_bytes == 400
@@ -168,7 +168,7 @@ def test_pin_cuts_lineage(Core):
 
 def test_infeasible_make_room(Core):
     core = Core("dtr", 150)
-    a, = core.record([], 1.0, [NEW], [-1], [100])
+    (a,) = core.record([], 1.0, [NEW], [-1], [100])
     core.lock(a)
     core.record([], 1.0, [NEW], [-1], [100])
     c = core.new_constant(100)
@@ -182,7 +182,7 @@ def test_infeasible_make_room(Core):
 
 def test_pin_needs_a_materialized_value(Core):
     core = Core("dtr", -1)
-    a, = core.record([], 1.0, [NEW], [-1], [100])
+    (a,) = core.record([], 1.0, [NEW], [-1], [100])
     core.evict_all()
     with pytest.raises(RuntimeError, match="not materialized"):
         core.pin(a)
@@ -190,8 +190,8 @@ def test_pin_needs_a_materialized_value(Core):
 
 def test_evicted_tensor_without_recipe_is_an_error(Core):
     core = Core("dtr", -1)
-    m0, = core.record([], 1.0, [NEW], [-1], [100])
-    m1, = core.record([m0], 1.0, [VERSION], [m0], [0])
+    (m0,) = core.record([], 1.0, [NEW], [-1], [100])
+    (m1,) = core.record([m0], 1.0, [VERSION], [m0], [0])
     core.pin(m0)  # m0 loses its recipe while it is evicted (not materialized)
     core.evict_all()
     core.lock(m1)
@@ -267,7 +267,8 @@ class Program:
                     nbytes.append(rng.randint(1, 64) * 16)
             outs = core.record(inputs + consts, rng.random(), kinds, refs, nbytes)
             self.sizes[core.recipe_of(outs[0])] = [
-                core.pool_bytes(o) if k == VERSION else b for o, k, b in zip(outs, kinds, nbytes)]
+                core.pool_bytes(o) if k == VERSION else b for o, k, b in zip(outs, kinds, nbytes)
+            ]
             for o, k, r in zip(outs, kinds, refs):
                 if k == VERSION:
                     self.held.remove(r)
@@ -310,9 +311,19 @@ class Program:
             self.log.append(("desc", core.descendants([rng.choice(self.held)])))
         self.drain()
         core.check()
-        self.log.append(("state", core.resident_bytes, core.evictions, core.remats,
-                         core.eager_evictions, core.counts(), core.pinned_bytes(),
-                         core.locked_bytes(), core.alive()))
+        self.log.append(
+            (
+                "state",
+                core.resident_bytes,
+                core.evictions,
+                core.remats,
+                core.eager_evictions,
+                core.counts(),
+                core.pinned_bytes(),
+                core.locked_bytes(),
+                core.alive(),
+            )
+        )
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -20,12 +20,12 @@ MODELS = ["mlp", "cnn", "lstm", "transformer", "tree"]
 OPTIMIZERS = ["sgd", "adam"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _eager(name: str, optimizer: str):
     return train(name, optimizer=optimizer)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _unbudgeted(name: str, optimizer: str):
     return train(name, optimizer=optimizer, dtr_kwargs={"cost_model": "roofline"})
 
@@ -77,4 +77,7 @@ def test_python_core_matches_eager_at_30_percent(name, monkeypatch):
     py = _check(name, "sgd", kwargs).stats
     assert py.core == "python"
     assert (py.evictions, py.remats, py.peak_resident_bytes) == (
-        cpp.evictions, cpp.remats, cpp.peak_resident_bytes)
+        cpp.evictions,
+        cpp.remats,
+        cpp.peak_resident_bytes,
+    )

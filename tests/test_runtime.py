@@ -213,22 +213,28 @@ def test_everything_leaving_the_block_is_plain(core):
     assert type(torch.load(buf)) is torch.Tensor
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
-    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False),
-    lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
-    lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
-    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=True),
-    lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
-], ids=["sgd-foreach", "sgd-loop", "adam-foreach", "adam-fused", "adamw-foreach",
-        "adamw-fused"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False),
+        lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
+        lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, foreach=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    ],
+    ids=["sgd-foreach", "sgd-loop", "adam-foreach", "adam-fused", "adamw-foreach", "adamw-fused"],
+)
 def test_optimizers_see_plain_grads(make_opt, core):
     def train(use_dtr):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
         opt = make_opt(list(model.parameters()))
-        ctx = dtr.enable(stress=True) if use_dtr else torch.autograd.graph.saved_tensors_hooks(
-            lambda t: t, lambda t: t)
+        ctx = (
+            dtr.enable(stress=True)
+            if use_dtr
+            else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        )
         with ctx:
             for _ in range(3):
                 loss = model(torch.randn(5, 8)).pow(2).mean()
@@ -377,3 +383,35 @@ def test_metadata_inplace_on_managed_tensor_is_a_clear_error(core):
         x = torch.randn(4, 4, requires_grad=True) * 1
         with pytest.raises(dtr.UnsupportedError, match="dtr: .*resize_"):
             x.detach().resize_(16)
+
+
+def test_double_backward_gradient_penalty(core):
+    def fn():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 1))
+        x = torch.randn(8, 6, requires_grad=True)
+        out = model(x).sum()
+        (gx,) = torch.autograd.grad(out, x, create_graph=True)
+        loss = out + gx.pow(2).sum()
+        loss.backward()
+        return [loss.detach(), model[0].weight.grad, model[2].weight.grad, x.grad]
+
+    expected, got, stats = _run(fn, **STRESS)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e)
+    assert stats.remats > 0
+
+
+def test_data_attribute_and_requires_grad_leaf(core):
+    def fn():
+        a = torch.randn(5, 5, requires_grad=True)
+        h = (a * 2).tanh()
+        d = h.data  # no history, same values
+        leaf = (h * 3).detach().requires_grad_()
+        y = (leaf * d).sum()
+        y.backward()
+        return [d, leaf.grad, y.detach()]
+
+    expected, got, _ = _run(fn, **STRESS)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e)
