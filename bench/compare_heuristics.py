@@ -5,7 +5,7 @@ the reference), then every heuristic at budgets of 1.0 .. 0.2 x P: step time rel
 eager (median of several steps after warm-up), evictions, recomputations, peak resident
 bytes, or "infeasible". Prints a table, writes bench/results/heuristics.csv and a plot.
 
-    python -m bench.compare_heuristics            # the full sweep (about 15 minutes)
+    python -m bench.compare_heuristics            # the full sweep (about 20 minutes)
     python -m bench.compare_heuristics --quick    # small models, a minute
 """
 
