@@ -1,8 +1,10 @@
 // Python bindings of the core: dtr._C.Core, with the same interface as dtr._pycore.PyCore.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "core.h"
+#include "replay.h"
 
 namespace py = pybind11;
 
@@ -27,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("make_room", &dtr::Core::make_room, py::arg("extra") = 0)
       .def("evict_all", &dtr::Core::evict_all)
       .def("reset_peak", &dtr::Core::reset_peak)
+      .def("log_evictions", &dtr::Core::log_evictions, py::arg("on") = true)
+      .def("eviction_log", &dtr::Core::eviction_log)
       .def("remat_begin", &dtr::Core::remat_begin)
       .def("remat_step", &dtr::Core::remat_step)
       .def("remat_abort", &dtr::Core::remat_abort)
@@ -51,6 +55,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("largest_pinned", &dtr::Core::largest_pinned)
       .def("counts", &dtr::Core::counts)
       .def("check", &dtr::Core::check)
+      .def(
+          "replay",
+          [](dtr::Core& core, py::array_t<int64_t, py::array::c_style | py::array::forcecast> code,
+             py::array_t<double, py::array::c_style | py::array::forcecast> costs, int64_t nslots,
+             int mode, bool stress, double thrash, double baseline, bool log) {
+            if (log) core.log_evictions(true);
+            py::gil_scoped_release nogil;
+            return dtr::replay(core, code.data(), code.size(), costs.data(), nslots, mode, stress,
+                               thrash, baseline);
+          },
+          "Replay a compiled trace (dtr.sim) on this core; returns ok, oom or thrash.")
       .def_readonly("heuristic", &dtr::Core::heuristic)
       .def_readwrite("budget", &dtr::Core::budget)
       .def_readonly("min_evict_bytes", &dtr::Core::min_evict_bytes)

@@ -403,6 +403,7 @@ bool Core::make_room(int64_t extra) {
       if (v < 0) return false;
       evict(v);
       evictions += 1;
+      if (logging_) log_.push_back(v);
     }
   }
   if (resident_bytes > peak_bytes) peak_bytes = resident_bytes;

@@ -90,6 +90,11 @@ class Core {
   // eviction
   bool make_room(int64_t extra);
   void reset_peak() { peak_bytes = max_bytes = resident_bytes; }
+  void log_evictions(bool on) {
+    logging_ = on;
+    log_.clear();
+  }
+  std::vector<int64_t> eviction_log() const { return log_; }
   int64_t evict_all();
   // rematerialization (see the note above remat_begin in core.cpp)
   void remat_begin(int64_t tid);
@@ -178,6 +183,8 @@ class Core {
   std::vector<double> uf_cost_;
   int64_t evicted_pools_ = 0;
   std::vector<Frame> frames_;
+  bool logging_ = false;
+  std::vector<int64_t> log_;
   std::vector<uint64_t> visit_;  // per-pool epoch marks for neighbourhood walks
   uint64_t epoch_ = 0;
 };

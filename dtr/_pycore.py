@@ -128,6 +128,7 @@ class PyCore:
         self._uf_cost: list[float] = []
         self._evicted_pools = 0
         self._frames: list[_Frame] = []
+        self._log: list[int] | None = None
         self.now = 0.0
         self.resident_bytes = 0
         self.peak_bytes = 0
@@ -451,9 +452,18 @@ class PyCore:
                     return False
                 self._evict(v)
                 self.evictions += 1
+                if self._log is not None:
+                    self._log.append(v)
         if self.resident_bytes > self.peak_bytes:
             self.peak_bytes = self.resident_bytes
         return True
+
+    def log_evictions(self, on: bool = True) -> None:
+        """Keep the pool id of every eviction the budget forces (for comparing runs)."""
+        self._log = [] if on else None
+
+    def eviction_log(self) -> list[int]:
+        return list(self._log or [])
 
     def reset_peak(self) -> None:
         """Start measuring peak_bytes and max_bytes afresh from the current count."""

@@ -22,6 +22,7 @@ ENV_FORCE_PYTHON = "DTR_FORCE_PYTHON"
 ENV_STRESS = "DTR_STRESS"
 ENV_DEBUG = "DTR_DEBUG"
 ENV_COST_MODEL = "DTR_COST_MODEL"
+ENV_TRACE = "DTR_TRACE"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -40,6 +41,7 @@ class DTRConfig:
         check: verify the core's invariants after every op (slow; for tests).
         force_python: use the pure-Python core even when the C++ one is built.
         cost_model: "time" (measured wall time) or "roofline" (deterministic estimate).
+        trace: path of an operator trace to write (see dtr.trace), or None.
     """
 
     budget_bytes: int | None = None
@@ -50,6 +52,7 @@ class DTRConfig:
     check: bool = False
     force_python: bool = False
     cost_model: str = "time"
+    trace: str | None = None
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and (
@@ -64,6 +67,8 @@ class DTRConfig:
             raise ConfigError(
                 f"dtr: unknown heuristic {self.heuristic!r}; valid: {', '.join(HEURISTICS)}"
             )
+        if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
+            raise ConfigError(f"dtr: trace must be a file path, got {self.trace!r}")
         if self.cost_model not in COST_MODELS:
             raise ConfigError(
                 f"dtr: unknown cost_model {self.cost_model!r}; valid: {', '.join(COST_MODELS)}"
@@ -77,7 +82,7 @@ class DTRConfig:
                 raise ConfigError(f"dtr: option {name} must be an int >= 0, got {value!r}")
 
 
-OPTIONS = ("stress", "seed", "min_evict_bytes", "check", "cost_model")
+OPTIONS = ("stress", "seed", "min_evict_bytes", "check", "cost_model", "trace")
 
 
 def parse_budget(value: object, source: str = "budget") -> int | None:
@@ -147,9 +152,15 @@ def resolve(
     cost_model = options.get("cost_model")
     if cost_model is None:
         cost_model = env.get(ENV_COST_MODEL, "").strip() or "time"
+    trace = options.get("trace")
+    if trace is None:
+        trace = env.get(ENV_TRACE, "").strip() or None
+    elif hasattr(trace, "__fspath__"):
+        trace = str(trace)
     return DTRConfig(
         budget_bytes=budget_bytes,
         cost_model=cost_model,
+        trace=trace,
         heuristic=heuristic,
         stress=stress,
         seed=options.get("seed", 0),

@@ -25,6 +25,7 @@ from .errors import BudgetError, DTRError, InternalError, UnsupportedError
 from .recipe import VERSION_SPEC, Recipe, StandIn, copy_preserving_layout
 from .schema import OpFacts, op_facts
 from .tensor import CheckpointTensor, Node, Ref
+from .trace import TraceWriter
 from .units import format_bytes
 
 aten = torch.ops.aten
@@ -37,6 +38,44 @@ def internal():
     mode seeing it and without autograd recording it."""
     with torch._C._DisableTorchDispatch(), torch._C._AutoDispatchBelowAutograd():
         yield
+
+
+class _Op:
+    """What the runtime knows about one managed op call while it handles it."""
+
+    __slots__ = (
+        "func",
+        "facts",
+        "call",
+        "nodes",
+        "tids",
+        "vals",
+        "written",
+        "versioned",
+        "snaps",
+        "captured",
+        "cost",
+        "extra",
+        "fresh",
+        "inputs",
+    )
+
+    def __init__(self, func, facts: OpFacts, call: Call):
+        n = len(call.leaves)
+        self.func = func
+        self.facts = facts
+        self.call = call
+        self.nodes: list[Node | None] = [None] * n  # per leaf: managed node, or None
+        self.tids = [0] * n  # per leaf: core tensor (constants included)
+        self.vals: list = [None] * n  # per leaf: the plain value the op runs on
+        self.written: list[int] = []  # leaves the op writes
+        self.versioned: list[int] = []  # written leaves that get a new version
+        self.snaps: dict[int, tuple[torch.Tensor, int]] = {}  # leaf -> (snapshot, its tid)
+        self.captured = None  # RNG state to replay
+        self.cost = 0.0
+        self.extra: list[int] = []  # core inputs beyond the leaves (the RNG state)
+        self.fresh: list[int] = []  # constants first registered for this call
+        self.inputs: list[int] | None = None  # the core inputs of the recorded recipe
 
 
 class Runtime:
@@ -57,6 +96,7 @@ class Runtime:
         self.recompute_seconds = 0.0
         self.model_cost = config.cost_model == "roofline"
         self._token = object()
+        self.trace = TraceWriter(config.trace, config) if config.trace else None
 
     # ================================================================== entry
     def handle(self, func, args: tuple, kwargs: dict):
@@ -96,66 +136,52 @@ class Runtime:
     # ================================================================== managed op
     def _run(self, func, facts: OpFacts, call: Call, writes):
         core = self.core
-        leaves = call.leaves
-        n = len(leaves)
-        nodes: list[Node | None] = [None] * n
-        tids = [0] * n
-        vals: list = [None] * n
-        fresh_consts: list[int] = []
-        for k, t in enumerate(leaves):
+        op = _Op(func, facts, call)
+        n = len(call.leaves)
+        for k, t in enumerate(call.leaves):
             if isinstance(t, CheckpointTensor):
                 node = t._dtr_ref.node
-                nodes[k] = node
-                tids[k] = node.tid
+                op.nodes[k] = node
+                op.tids[k] = node.tid
             else:
-                tids[k] = self._constant(t, fresh_consts)
-                vals[k] = t
-        written = [k for k in range(n) if call.positions[k] in writes] if writes else []
+                op.tids[k] = self._constant(t, op.fresh)
+                op.vals[k] = t
+        if writes:
+            op.written = [k for k in range(n) if call.positions[k] in writes]
+        managed = [k for k in range(n) if op.nodes[k] is not None]
+        if self.trace is not None:
+            self.trace.phase(torch._C._current_graph_task_id() != -1)
+            self.trace.inputs([op.nodes[k].label for k in managed])
         locked: list[int] = []
-        fresh = ()
+        recorded = False
         try:
-            for k in range(n):
-                if nodes[k] is not None:
-                    core.lock(tids[k])
-                    locked.append(tids[k])
-            for k in range(n):
-                if nodes[k] is not None:
-                    vals[k] = self._value(nodes[k])
-            versioned, snaps = self._prepare_writes(facts, written, nodes, tids, vals, fresh_consts)
-            captured = None
-            extra_inputs: list[int] = []
+            for k in managed:
+                core.lock(op.tids[k])
+                locked.append(op.tids[k])
+            for k in managed:
+                op.vals[k] = self._value(op.nodes[k])
+            self._prepare_writes(op)
             if facts.seeded:
                 gen = call.argument(facts, facts.generator) if facts.generator >= 0 else None
-                captured = rng.capture(gen, _device_of(call.leaves))
+                op.captured = rng.capture(gen, _device_of(call.leaves))
                 # The saved generator state is memory the recipe holds: count it.
-                extra_inputs.append(self._constant(captured[1], fresh_consts))
-            real_args, real_kwargs = substitute(call.args, call.kwargs, call.where, vals)
+                op.extra.append(self._constant(op.captured[1], op.fresh))
+            real_args, real_kwargs = substitute(call.args, call.kwargs, call.where, op.vals)
             start = _perf()
             out = func(*real_args, **real_kwargs)
-            cost = _perf() - start
+            op.cost = _perf() - start
             if self.model_cost:
-                cost = _cost.roofline(func, real_args, real_kwargs, out)
-            result, fresh = self._record(
-                func,
-                facts,
-                call,
-                out,
-                nodes,
-                tids,
-                vals,
-                written,
-                versioned,
-                snaps,
-                captured,
-                cost,
-                extra_inputs,
-            )
+                op.cost = _cost.roofline(func, real_args, real_kwargs, out)
+            result, protect = self._record(op, out)
+            recorded = True
         finally:
             for tid in locked:
                 core.unlock(tid)
-            for tid in fresh_consts:  # now held by the recipe, or by nothing
+            for tid in op.fresh:  # now held by the recipe, or by nothing
+                if self.trace is not None and not recorded:
+                    self.trace.release(self._label(tid))
                 core.release(tid)
-        self._settle(fresh, func)
+        self._settle(protect, func)
         return result
 
     def _run_meta_only(self, func, facts: OpFacts, call: Call):
@@ -166,17 +192,18 @@ class Runtime:
         args, kwargs = substitute(call.args, call.kwargs, call.where, [s.get() for s in stand_ins])
         if kwargs.get("device") is None:
             kwargs = {**kwargs, "device": device}
-        captured = rng.capture(None, device) if facts.seeded else None
-        fresh_consts: list[int] = []
-        inputs = [self._constant(captured[1], fresh_consts)] if captured is not None else []
+        op = _Op(func, facts, call)
+        op.nodes, op.tids, op.vals = [], [], []
+        if facts.seeded:
+            op.captured = rng.capture(None, device)
+            op.extra.append(self._constant(op.captured[1], op.fresh))
         start = _perf()
         out = func(*args, **kwargs)
-        cost = _perf() - start
+        op.cost = _perf() - start
         if self.model_cost:
-            cost = _cost.roofline(func, args, kwargs, out)
-        out_tids = self.core.record(inputs, cost, [NEW], [-1], [out.untyped_storage().nbytes()])
-        for tid in fresh_consts:
-            self.core.release(tid)
+            op.cost = _cost.roofline(func, args, kwargs, out)
+        nbytes = out.untyped_storage().nbytes()
+        out_tids = self.core.record(op.extra, op.cost, [NEW], [-1], [nbytes])
         t_args, t_kwargs = substitute(args, kwargs, call.where, [None] * len(stand_ins))
         rec = Recipe(
             func,
@@ -187,87 +214,76 @@ class Runtime:
             stand_ins,
             (),
             [(0, -1)],
-            captured,
+            op.captured,
             torch.is_grad_enabled(),
         )
         node = Node(out_tids[0], out, facts.name, out.shape)
         self._set_node(node.tid, node)
         rec.outputs.append(node)
         self._set_recipe(self.core.recipe_of(node.tid), rec)
+        if self.trace is not None:
+            self.trace.phase(torch._C._current_graph_task_id() != -1)
+            self._trace_call(op, out_tids, [NEW], [-1])
+        for tid in op.fresh:
+            self.core.release(tid)
+        self._drain()
         result = CheckpointTensor(Ref(node, self), out)
         self._settle([node.tid], func)
         return result
 
-    def _prepare_writes(self, facts: OpFacts, written, nodes, tids, vals, fresh_consts):
+    def _prepare_writes(self, op: _Op) -> None:
         """Decide, before an in-place op runs, how each written argument keeps its
-        lineage sound (Invariant 4). Returns (versioned leaves, snapshots)."""
-        versioned: list[int] = []
-        snaps: dict[int, tuple[torch.Tensor, int]] = {}
-        if not written:
-            return versioned, snaps
+        lineage sound (Invariant 4): a new version, or invalidation and a snapshot."""
+        if not op.written:
+            return
         core = self.core
-        for k in written:
-            node = nodes[k]
+        for k in op.written:
+            node = op.nodes[k]
             if node is not None:
-                twice = sum(1 for j in written if nodes[j] is node) > 1
+                twice = sum(1 for j in op.written if op.nodes[j] is node) > 1
                 if not twice and core.is_private(node.tid):
-                    versioned.append(k)  # the old value keeps its lineage; a new version
+                    op.versioned.append(k)  # the old value keeps its lineage
                     continue
                 self._invalidate(core.members(node.tid))  # aliased: pin the pool
             else:
-                self._writes_to_plain_leaf(vals[k], tids[k])
-        if facts.fresh_returns or versioned:
+                self._writes_to_plain_leaf(op.vals[k], op.tids[k])
+        if op.facts.fresh_returns or op.versioned:
             # The recipe must read the pre-op value of arguments that are not versioned.
-            for k in written:
-                if k not in versioned:
-                    snap = copy_preserving_layout(vals[k])
-                    snaps[k] = (snap, self._constant(snap, fresh_consts))
-        return versioned, snaps
+            for k in op.written:
+                if k not in op.versioned:
+                    snap = copy_preserving_layout(op.vals[k])
+                    op.snaps[k] = (snap, self._constant(snap, op.fresh))
 
-    def _record(
-        self,
-        func,
-        facts,
-        call,
-        out,
-        nodes,
-        tids,
-        vals,
-        written,
-        versioned,
-        snaps,
-        captured,
-        cost,
-        extra_inputs,
-    ):
-        """Tell the core about the outputs, wrap them, and build the recipe."""
+    def _record(self, op: _Op, out):
+        """Tell the core about the op's outputs, wrap them, and build the recipe.
+        Returns (the op's result for the program, the outputs to protect while settling)."""
         kinds: list[int] = []
         refs: list[int] = []
         nbytes: list[int] = []
         specs: list[tuple[int, int]] = []
         produced: list[torch.Tensor] = []
-        for k in versioned:
+        for k in op.versioned:
             kinds.append(VERSION)
-            refs.append(tids[k])
+            refs.append(op.tids[k])
             nbytes.append(0)
             specs.append((VERSION_SPEC, k))
-            produced.append(vals[k])
+            produced.append(op.vals[k])
         replacements: dict[tuple[int, int], object] = {}
         keys = None
-        for i, j, o in returns_of(facts, out):
-            k = _identity(o, vals, written)
+        for i, j, o in returns_of(op.facts, out):
+            k = _identity(o, op.vals, op.written)
             if k >= 0:  # an in-place op returned its argument
-                replacements[(i, j)] = call.leaves[k]
+                replacements[(i, j)] = op.call.leaves[k]
                 continue
             if keys is None:
-                keys = {v.untyped_storage()._cdata: k for k, v in enumerate(vals)}
+                keys = {v.untyped_storage()._cdata: k for k, v in enumerate(op.vals)}
             src = keys.get(o.untyped_storage()._cdata, -1)
             if src >= 0:
-                if nodes[src] is None:  # a view of a constant stays plain
+                if op.nodes[src] is None:  # a view of a constant stays plain
                     replacements[(i, j)] = o
                     continue
                 kinds.append(VIEW)
-                refs.append(tids[src])
+                refs.append(op.tids[src])
                 nbytes.append(0)
             else:
                 kinds.append(NEW)
@@ -276,42 +292,69 @@ class Runtime:
             specs.append((i, j))
             produced.append(o)
         if not kinds:
-            return rebuild_returns(facts, out, replacements), ()
-        inputs = list(tids)
+            if self.trace is not None:
+                self._trace_call(op, [], [], [])
+            return rebuild_returns(op.facts, out, replacements), ()
+        inputs = list(op.tids)
         rec_inputs: list = [
-            nodes[k] if nodes[k] is not None else call.leaves[k] for k in range(len(tids))
+            op.nodes[k] if op.nodes[k] is not None else op.call.leaves[k]
+            for k in range(len(op.tids))
         ]
-        for k, (snap, snap_tid) in snaps.items():
+        for k, (snap, snap_tid) in op.snaps.items():
             inputs[k] = snap_tid
             rec_inputs[k] = snap
-        out_tids = self.core.record(inputs + extra_inputs, cost, kinds, refs, nbytes)
-        args, kwargs = substitute(call.args, call.kwargs, call.where, [None] * len(tids))
+        op.inputs = inputs + op.extra
+        out_tids = self.core.record(op.inputs, op.cost, kinds, refs, nbytes)
+        args, kwargs = substitute(
+            op.call.args, op.call.kwargs, op.call.where, [None] * len(op.tids)
+        )
         rec = Recipe(
-            func,
-            facts,
+            op.func,
+            op.facts,
             args,
             kwargs,
-            call.where,
+            op.call.where,
             rec_inputs,
-            tuple(written),
+            tuple(op.written),
             specs,
-            captured,
+            op.captured,
             torch.is_grad_enabled(),
         )
-        name = facts.name
-        fresh: list[int] = []
+        protect: list[int] = []
         for (i, j), tid, value, kind in zip(specs, out_tids, produced, kinds):
-            node = Node(tid, value, name, value.shape)
+            node = Node(tid, value, op.facts.name, value.shape)
             self._set_node(tid, node)
             rec.outputs.append(node)
             if kind == VERSION:
-                call.leaves[j]._dtr_ref.node = node
+                op.call.leaves[j]._dtr_ref.node = node
             else:
-                fresh.append(tid)
+                protect.append(tid)
                 replacements[(i, j)] = CheckpointTensor(Ref(node, self), value)
         self._set_recipe(self.core.recipe_of(out_tids[0]), rec)
+        if self.trace is not None:
+            self._trace_call(op, out_tids, kinds, refs)
         self._drain()
-        return rebuild_returns(facts, out, replacements), fresh
+        return rebuild_returns(op.facts, out, replacements), protect
+
+    def _trace_call(self, op: _Op, outputs: list[int], kinds: list[int], refs: list[int]):
+        """CALL line: the core's inputs, the outputs (a view or version names the input
+        it aliases by position), and the constants released after it."""
+        inputs = op.inputs if op.inputs is not None else op.tids + op.extra
+        aliases = [-1 if kind == NEW else inputs.index(ref) for kind, ref in zip(kinds, refs)]
+        label = self._label
+        self.trace.call(
+            op.facts.name,
+            [label(t) for t in inputs],
+            [label(t) for t in outputs],
+            op.cost,
+            kinds,
+            aliases,
+            [self.core.pool_bytes(t) for t in outputs],
+            [label(t) for t in op.fresh],
+        )
+
+    def _label(self, tid: int) -> str:
+        return self.nodes[tid].label
 
     def _settle(self, fresh, func) -> None:
         """Op boundary: evict until resident bytes fit the budget (Invariant 6). The
@@ -381,6 +424,8 @@ class Runtime:
         Every tensor the program holds whose lineage reads it is materialized now and
         pinned; lineage nobody needs any more is dropped (Invariants 3 and 4)."""
         core = self.core
+        if self.trace is not None:
+            self.trace.invalidate([self._label(t) for t in seeds])
         todo = list(seeds) + core.descendants(seeds)
         held: list[int] = []
         try:
@@ -430,6 +475,8 @@ class Runtime:
         self.storages[key] = tid
         self.const_keys[tid] = key
         fresh.append(tid)
+        if self.trace is not None:
+            self.trace.constant(self.nodes[tid].label, storage.nbytes())
         if t.requires_grad:
             self._hook_leaf(t)
         return tid
@@ -455,6 +502,8 @@ class Runtime:
         evicted or recomputed."""
         with self.lock, internal():
             node = ref.node
+            if self.trace is not None:
+                self.trace.export(node.label)
             self.core.lock(node.tid)
             try:
                 value = self._value(node)
@@ -473,6 +522,8 @@ class Runtime:
             if self.pending_refs:
                 self._flush()
             node = ref.node
+            if self.trace is not None:
+                self.trace.read(node.label)
             self.core.lock(node.tid)
             try:
                 return self._value(node)
@@ -524,6 +575,8 @@ class Runtime:
             refs, self.pending_refs = self.pending_refs, []
             for node in refs:
                 if node.tid >= 0:
+                    if self.trace is not None:
+                        self.trace.release(node.label)
                     core.release(node.tid)
             self._drain()
 
@@ -551,6 +604,8 @@ class Runtime:
         with self.lock, internal():
             try:
                 self._flush()
+                if self.trace is not None:
+                    self.trace.close()
                 self.core.budget = -1
                 for tid in self.core.alive():
                     node = self.nodes[tid]
@@ -563,6 +618,8 @@ class Runtime:
                 self._drain()
             finally:
                 self.is_open = False
+                if self.trace is not None:
+                    self.trace.close()
                 for handle in self.hooks:
                     handle.remove()
                 self.hooks.clear()

@@ -16,17 +16,26 @@ The chain is ``CheckpointTensor -> Ref -> Node -> value``:
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+
+_serials = itertools.count()
 
 
 class Node:
-    __slots__ = ("tid", "value", "name", "shape")
+    __slots__ = ("tid", "value", "name", "shape", "serial")
 
     def __init__(self, tid: int, value: torch.Tensor | None, name: str, shape):
         self.tid = tid
         self.value = value
         self.name = name
         self.shape = shape
+        self.serial = next(_serials)  # unique for the life of the process (trace names)
+
+    @property
+    def label(self) -> str:
+        return f"x{self.serial}"
 
     def describe(self) -> str:
         shape = "x".join(str(s) for s in self.shape) if self.shape is not None else "?"

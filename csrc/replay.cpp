@@ -1,0 +1,305 @@
+// See replay.h. Every step mirrors the method of the same name in dtr/sim/driver.py.
+#include "replay.h"
+
+#include <limits>
+#include <stdexcept>
+#include <vector>
+
+namespace dtr {
+
+namespace {
+
+enum Op : int64_t {
+  kConst = 0,
+  kCopy = 1,
+  kRelease = 2,
+  kCall = 3,
+  kMutate = 4,
+  kCopyFrom = 5,
+  kInputs = 6,
+  kInvalidate = 7,
+  kRead = 8,
+  kExport = 9,
+  kBackward = 10,
+  kEnd = 11,
+};
+
+struct Stop {
+  const char* status;
+};
+
+class Replayer {
+ public:
+  Replayer(Core& core, const double* costs, int64_t nslots, bool live, bool stress, double limit)
+      : core_(core),
+        costs_(costs),
+        slots_(nslots, -1),
+        live_(live),
+        stress_(stress),
+        limit_(limit) {}
+
+  void run(const int64_t* code, int64_t n) {
+    int64_t pc = 0;
+    while (pc < n) {
+      const int64_t op = code[pc];
+      switch (op) {
+        case kConst:
+          slots_[code[pc + 1]] = core_.new_constant(code[pc + 2]);
+          pc += 3;
+          break;
+        case kCopy:
+          slots_[code[pc + 1]] = slots_[code[pc + 2]];
+          core_.retain(slots_[code[pc + 2]]);
+          pc += 3;
+          break;
+        case kRelease: {
+          const int64_t t = slots_[code[pc + 1]];
+          // The paper's simulator kept constants resident for the whole step.
+          if (live_ || !core_.is_constant(t)) core_.release(t);
+          pc += 2;
+          break;
+        }
+        case kCall:
+          pc = call(code, pc);
+          break;
+        case kMutate:
+          pc = mutate(code, pc);
+          break;
+        case kCopyFrom: {
+          const int64_t old = slots_[code[pc + 1]];
+          slots_[code[pc + 1]] = slots_[code[pc + 2]];
+          core_.retain(slots_[code[pc + 2]]);
+          core_.release(old);
+          pc += 3;
+          break;
+        }
+        case kInputs: {
+          const int64_t k = code[pc + 1];
+          std::vector<int64_t> tids;
+          for (int64_t j = 0; j < k; ++j) tids.push_back(slots_[code[pc + 2 + j]]);
+          for (int64_t t : tids) {
+            core_.lock(t);
+            locked_.push_back(t);
+          }
+          for (int64_t t : tids) materialize(t);
+          pc += 2 + k;
+          break;
+        }
+        case kInvalidate: {
+          const int64_t k = code[pc + 1];
+          std::vector<int64_t> seeds;
+          for (int64_t j = 0; j < k; ++j) seeds.push_back(slots_[code[pc + 2 + j]]);
+          invalidate(seeds);
+          pc += 2 + k;
+          break;
+        }
+        case kRead:
+        case kExport: {
+          const int64_t t = slots_[code[pc + 1]];
+          core_.lock(t);
+          try {
+            materialize(t);
+          } catch (...) {
+            core_.unlock(t);
+            throw;
+          }
+          core_.unlock(t);
+          if (op == kExport) core_.pin(t);
+          core_.drain();
+          pc += 2;
+          break;
+        }
+        case kBackward:
+          pc += 1;
+          break;
+        case kEnd:
+          end();
+          pc += 1;
+          break;
+        default:
+          throw std::runtime_error("dtr: bad opcode " + std::to_string(op));
+      }
+      core_.drain();
+    }
+  }
+
+ private:
+  void materialize(int64_t tid) {
+    if (core_.is_materialized(tid)) return;
+    core_.remat_begin(tid);
+    bool finished = false;
+    try {
+      while (true) {
+        const int64_t rid = core_.remat_step();
+        if (rid < 0) break;
+        if (!core_.make_room(core_.remat_bytes(rid))) throw Stop{"oom"};
+        core_.drain();
+        core_.remat_done(rid, {}, core_.steals(rid));
+        if (core_.remat_cost > limit_) throw Stop{"thrash"};
+      }
+      finished = true;
+    } catch (...) {
+      if (!finished) core_.remat_abort();
+      core_.drain();
+      throw;
+    }
+    core_.drain();
+  }
+
+  void invalidate(const std::vector<int64_t>& seeds) {
+    std::vector<int64_t> todo = seeds;
+    const std::vector<int64_t> desc = core_.descendants(seeds);
+    todo.insert(todo.end(), desc.begin(), desc.end());
+    std::vector<int64_t> held;
+    try {
+      for (int64_t t : todo) {
+        if (core_.ext(t) > 0 && !core_.is_materialized(t) && !core_.is_constant(t)) {
+          core_.lock(t);
+          held.push_back(t);
+          materialize(t);
+        }
+      }
+      for (int64_t t : todo) core_.pin(t);
+    } catch (...) {
+      for (int64_t t : held) core_.unlock(t);
+      core_.drain();
+      throw;
+    }
+    for (int64_t t : held) core_.unlock(t);
+    core_.drain();
+  }
+
+  int64_t call(const int64_t* code, int64_t pc) {
+    const double cost = costs_[code[pc + 1]];
+    const int64_t nargs = code[pc + 2];
+    std::vector<int64_t> args;
+    for (int64_t j = 0; j < nargs; ++j) args.push_back(slots_[code[pc + 3 + j]]);
+    pc += 3 + nargs;
+    const int64_t nres = code[pc];
+    const int64_t* body = code + pc + 1;
+    pc += 1 + 4 * nres;
+    const int64_t nfresh = code[pc];
+    std::vector<int64_t> fresh;
+    for (int64_t j = 0; j < nfresh; ++j) fresh.push_back(slots_[code[pc + 1 + j]]);
+    pc += 1 + nfresh;
+    std::vector<int64_t> kinds, refs, nbytes;
+    for (int64_t j = 0; j < nres; ++j) {
+      kinds.push_back(body[4 * j + 1]);
+      const int64_t r = body[4 * j + 2];
+      refs.push_back(r >= 0 ? args[r] : -1);
+      nbytes.push_back(body[4 * j + 3]);
+    }
+    std::vector<int64_t> outs;
+    if (!live_) {  // the paper's semantics: lock inputs, make room first, then run
+      for (int64_t t : args) core_.lock(t);
+      try {
+        for (int64_t t : args) materialize(t);
+        int64_t extra = 0;
+        for (int64_t j = 0; j < nres; ++j)
+          if (kinds[j] == kNew) extra += nbytes[j];
+        if (!core_.make_room(extra)) throw Stop{"oom"};
+        core_.drain();
+        if (nres) outs = core_.record(args, cost, kinds, refs, nbytes);
+      } catch (...) {
+        for (int64_t t : args) core_.unlock(t);
+        throw;
+      }
+      for (int64_t t : args) core_.unlock(t);
+      for (int64_t j = 0; j < static_cast<int64_t>(outs.size()); ++j) slots_[body[4 * j]] = outs[j];
+      core_.make_room(0);
+      return pc;
+    }
+    if (nres) outs = core_.record(args, cost, kinds, refs, nbytes);
+    core_.drain();
+    for (int64_t j = 0; j < static_cast<int64_t>(outs.size()); ++j) slots_[body[4 * j]] = outs[j];
+    std::vector<int64_t> locked;
+    locked.swap(locked_);
+    for (int64_t t : locked) core_.unlock(t);
+    for (int64_t t : fresh) core_.release(t);
+    std::vector<int64_t> protect;
+    for (size_t j = 0; j < outs.size(); ++j)
+      if (kinds[j] != kVersion) protect.push_back(outs[j]);
+    for (int64_t t : protect) core_.lock(t);
+    const bool ok = core_.make_room(0);
+    for (int64_t t : protect) core_.unlock(t);
+    if (!ok) throw Stop{"oom"};
+    if (stress_) core_.evict_all();
+    return pc;
+  }
+
+  int64_t mutate(const int64_t* code, int64_t pc) {
+    const double cost = costs_[code[pc + 1]];
+    const int64_t nargs = code[pc + 2];
+    std::vector<int64_t> args;
+    for (int64_t j = 0; j < nargs; ++j) args.push_back(slots_[code[pc + 3 + j]]);
+    pc += 3 + nargs;
+    const int64_t nmut = code[pc];
+    const int64_t* pairs = code + pc + 1;
+    pc += 1 + 2 * nmut;
+    std::vector<int64_t> written;
+    for (int64_t j = 0; j < nmut; ++j) written.push_back(args[pairs[2 * j]]);
+    std::vector<int64_t> outs;
+    for (int64_t t : args) core_.lock(t);
+    try {
+      for (int64_t t : args) materialize(t);
+      std::vector<int64_t> nbytes;
+      int64_t extra = 0;
+      for (int64_t t : written) {
+        nbytes.push_back(core_.pool_bytes(t));
+        extra += nbytes.back();
+      }
+      if (!core_.make_room(extra)) throw Stop{"oom"};
+      core_.drain();
+      outs = core_.record(args, cost, std::vector<int64_t>(nmut, kNew),
+                          std::vector<int64_t>(nmut, -1), nbytes);
+    } catch (...) {
+      for (int64_t t : args) core_.unlock(t);
+      throw;
+    }
+    for (int64_t t : args) core_.unlock(t);
+    for (int64_t j = 0; j < nmut; ++j) slots_[pairs[2 * j + 1]] = outs[j];
+    for (int64_t t : written) core_.release(t);  // the name now means the new tensor
+    core_.make_room(0);
+    return pc;
+  }
+
+  void end() {
+    if (live_) core_.budget = -1;  // the block ended: budget lifted, held tensors rebuilt
+    for (int64_t t : core_.alive()) {
+      core_.lock(t);
+      try {
+        materialize(t);
+      } catch (...) {
+        core_.unlock(t);
+        throw;
+      }
+      core_.unlock(t);
+      if (!live_) core_.pin(t);  // the paper's simulator pinned what the step left alive
+    }
+    if (!live_ && !core_.make_room(0)) throw Stop{"oom"};
+  }
+
+  Core& core_;
+  const double* costs_;
+  std::vector<int64_t> slots_;
+  std::vector<int64_t> locked_;
+  bool live_, stress_;
+  double limit_;
+};
+
+}  // namespace
+
+std::string replay(Core& core, const int64_t* code, int64_t ncode, const double* costs,
+                   int64_t nslots, int mode, bool stress, double thrash, double baseline) {
+  const double limit =
+      thrash > 0 ? (thrash - 1.0) * baseline : std::numeric_limits<double>::infinity();
+  Replayer r(core, costs, nslots, mode == kLive, stress, limit);
+  try {
+    r.run(code, ncode);
+  } catch (const Stop& stop) {
+    return stop.status;
+  }
+  return "ok";
+}
+
+}  // namespace dtr

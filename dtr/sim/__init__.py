@@ -1,0 +1,105 @@
+"""Trace-driven simulation: replay an operator trace under any heuristic and budget,
+through the same bookkeeping core as live runs.
+
+    prog = dtr.sim.load("run.jsonl")           # ours, or the DTR prototype's (.gz or plain)
+    res = dtr.sim.simulate(prog, "dtr_eq", ratio=0.4)
+    res.status, res.overhead, res.evictions
+
+Command line: ``python -m dtr.sim TRACE --heuristic dtr_eq --budget-ratio 0.4``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .._core import core_class
+from .._pycore import HEURISTICS, PyCore
+from ..errors import ConfigError
+from . import program
+from .driver import Result, replay
+from .parse import TraceError, load
+
+__all__ = ["HEURISTICS", "Result", "TraceError", "load", "peak", "simulate", "PROTOTYPE_DIR"]
+
+# The DTR prototype's published traces (never copied into this repository).
+PROTOTYPE_DIR = os.path.normpath(
+    os.path.join(
+        os.path.dirname(os.path.abspath(__file__)),
+        "..",
+        "..",
+        "..",
+        "shared",
+        "traces",
+        "dtr-prototype",
+    )
+)
+
+_peaks: dict[int, int] = {}
+
+
+def _make_core(heuristic: str, budget: int, seed: int, engine: str):
+    if heuristic not in HEURISTICS:
+        raise ConfigError(f"dtr: unknown heuristic {heuristic!r}; valid: {', '.join(HEURISTICS)}")
+    if engine == "python":
+        return PyCore(heuristic, budget, seed)
+    cls, kind = core_class(False)
+    return cls(heuristic, budget, seed)
+
+
+def peak(prog: program.Program, engine: str = "c++") -> int:
+    """Peak resident bytes of an unconstrained replay (what budget ratios are relative to)."""
+    key = id(prog)
+    if key not in _peaks:
+        res = simulate(prog, "dtr", budget=-1, engine=engine)
+        _peaks[key] = res.peak_bytes
+    return _peaks[key]
+
+
+def simulate(
+    prog: program.Program,
+    heuristic: str = "dtr",
+    budget: int | None = None,
+    ratio: float | None = None,
+    stress: bool = False,
+    thrash: float = 2.0,
+    seed: int = 0,
+    engine: str = "c++",
+    log: bool = False,
+) -> Result:
+    """Replay prog under heuristic with a budget in bytes, or ratio x the unconstrained
+    peak (budget=-1 or neither: unlimited). engine: "c++" (the compiled replay loop
+    driving the C++ core), "python" (the Python driver on the pure-Python core) or
+    "python+c++core" (the Python driver on the C++ core)."""
+    if ratio is not None:
+        if budget is not None:
+            raise ConfigError("dtr: give a budget or a ratio, not both")
+        if not 0 < ratio:
+            raise ConfigError(f"dtr: budget ratio must be positive, got {ratio!r}")
+        budget = int(peak(prog, "python" if engine == "python" else "c++") * ratio)
+    if budget is None:
+        budget = -1
+    core = _make_core(heuristic, budget, seed, "python" if engine == "python" else "c++")
+    if engine == "c++" and hasattr(type(core), "replay"):
+        return _cpp_replay(prog, core, stress, thrash, log)
+    return replay(prog, core, stress, thrash, log)
+
+
+def _cpp_replay(prog, core, stress, thrash, log) -> Result:
+    import time
+
+    start = time.perf_counter()
+    status = core.replay(
+        prog.code, prog.costs, prog.nslots, prog.mode, stress, thrash, prog.baseline, log
+    )
+    return Result(
+        status=status,
+        budget_bytes=core.budget,
+        peak_bytes=core.max_bytes,
+        evictions=core.evictions,
+        remats=core.remats,
+        remat_cost=core.remat_cost,
+        baseline=prog.baseline,
+        ops=prog.ops,
+        seconds=time.perf_counter() - start,
+        eviction_log=core.eviction_log() if log else None,
+    )

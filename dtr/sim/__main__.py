@@ -1,0 +1,103 @@
+"""python -m dtr.sim TRACE [--heuristic H] [--budget-ratio R | --budget BYTES] [--sweep]
+
+Replays an operator trace (dtr's own, or the DTR prototype's, gzip or plain) and prints
+one JSON object per result; the last line is the result asked for. TRACE is a path, or the
+start of a file name in --traces (default: the prototype's published traces), e.g.
+``python -m dtr.sim resnet32 --budget-ratio 0.3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+from ..config import parse_budget
+from ..errors import DTRError
+from . import HEURISTICS, PROTOTYPE_DIR, load, program, simulate
+
+SWEEP_RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(20))  # 1.0 .. 0.05
+
+
+def find_trace(name: str, traces: str) -> str:
+    if os.path.exists(name):
+        return name
+    matches = sorted(glob.glob(os.path.join(traces, name + "*")))
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise DTRError(
+            f"dtr: no trace {name!r}: not a file, and nothing in {traces} starts with it"
+        )
+    raise DTRError(
+        f"dtr: {name!r} matches several traces in {traces}: "
+        + ", ".join(os.path.basename(m) for m in matches)
+    )
+
+
+def _row(trace: str, heuristic: str, ratio, res) -> dict:
+    out = {"trace": os.path.basename(trace), "heuristic": heuristic, "budget_ratio": ratio}
+    out.update(res.as_dict())
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtr.sim", description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", help="trace file, or the start of a name in --traces")
+    parser.add_argument("--traces", default=PROTOTYPE_DIR, help="folder of named traces")
+    parser.add_argument("--heuristic", default="dtr", choices=HEURISTICS)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--budget-ratio",
+        type=float,
+        default=None,
+        help="fraction of the unconstrained replay's peak",
+    )
+    group.add_argument("--budget", default=None, help="bytes, e.g. 4GiB")
+    parser.add_argument(
+        "--sweep", action="store_true", help="every heuristic at ratios 1.0 .. 0.05 (one line each)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=["auto", "prototype", "live"],
+        default="auto",
+        help="replay semantics (auto: live for traces dtr wrote)",
+    )
+    parser.add_argument("--stress", action="store_true")
+    parser.add_argument(
+        "--thrash",
+        type=float,
+        default=2.0,
+        help="stop when total compute exceeds this x the baseline (0: never)",
+    )
+    parser.add_argument("--engine", choices=["c++", "python", "python+c++core"], default="c++")
+    args = parser.parse_args(argv)
+    try:
+        path = find_trace(args.trace, args.traces)
+        mode = {"auto": None, "prototype": program.PROTOTYPE, "live": program.LIVE}[args.mode]
+        prog = load(path, mode)
+        common = dict(stress=args.stress, thrash=args.thrash, engine=args.engine)
+        if args.sweep:
+            for heuristic in HEURISTICS:
+                for ratio in SWEEP_RATIOS:
+                    res = simulate(prog, heuristic, ratio=ratio, **common)
+                    print(json.dumps(_row(path, heuristic, ratio, res)), flush=True)
+            return 0
+        if args.budget is not None:
+            budget = parse_budget(args.budget, "--budget")
+            res = simulate(prog, args.heuristic, budget=budget, **common)
+            ratio = None
+        else:
+            ratio = 1.0 if args.budget_ratio is None else args.budget_ratio
+            res = simulate(prog, args.heuristic, ratio=ratio, **common)
+        print(json.dumps(_row(path, args.heuristic, ratio, res)))
+        return 0
+    except DTRError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
