@@ -438,7 +438,7 @@ int64_t Core::choose() {
   for (int64_t pid = 0; pid < n; ++pid) {
     const PoolRec& p = pools_[pid];
     if (!evictable(p) || p.nbytes < min_evict_bytes) continue;
-    double s = score(pid, p);
+    double s = score(pid, p, best_score);
     if (best < 0 || s < best_score) {
       best = pid;
       best_score = s;
@@ -447,25 +447,29 @@ int64_t Core::choose() {
   return best;
 }
 
-double Core::score(int64_t pid, const PoolRec& p) {
+// The pool's score; a neighbourhood walk stops once the score is known to be >= bound
+// (it cannot win then: costs are non-negative and float sums of them only grow), which
+// keeps the choice exact while skipping most of the walking.
+double Core::score(int64_t pid, const PoolRec& p, double bound) {
   const double m = static_cast<double>(p.nbytes);
   const double stale = now - p.last_access;
   if (h_ == kSize) return m > 0 ? 1.0 / m : kInf;
   if (h_ == kMSPS) {
-    double c = p.cost + neighborhood(pid, true, false);
-    return m > 0 ? c / m : kInf;
+    if (m <= 0) return kInf;
+    return neighborhood(pid, true, false, p.cost, m, bound) / m;
   }
   const double denom = m * stale;
   if (h_ == kLRU) return stale > 0 ? 1.0 / stale : kInf;
+  if (denom <= 0) return kInf;
   double c;
   if (h_ == kDTR) {
-    c = p.cost + neighborhood(pid, true, true);
+    c = neighborhood(pid, true, true, p.cost, denom, bound);
   } else if (h_ == kDTREq) {
     c = p.cost + eq_neighbors(pid);
   } else {
     c = p.cost;
   }
-  return denom > 0 ? c / denom : kInf;
+  return c / denom;
 }
 
 // ------------------------------------------------------------------ neighbourhoods
@@ -486,8 +490,8 @@ void Core::pool_children(int64_t pid, std::vector<int64_t>& out) const {
         if (o >= 0) out.push_back(tensors_[o].pool);
 }
 
-double Core::neighborhood(int64_t pid, bool up, bool down) {
-  double total = 0.0;
+double Core::neighborhood(int64_t pid, bool up, bool down, double total, double denom,
+                          double bound) {
   std::vector<int64_t> stack, nbrs;
   for (int direction = 0; direction < 2; ++direction) {
     if ((direction == 0 && !up) || (direction == 1 && !down)) continue;
@@ -508,6 +512,7 @@ double Core::neighborhood(int64_t pid, bool up, bool down) {
         const PoolRec& pn = pools_[nb];
         if (pn.resident) continue;
         total += pn.cost;
+        if (total / denom >= bound) return total;
         stack.push_back(nb);
       }
     }

@@ -160,10 +160,11 @@ class Core {
   void maybe_eager_evict(int64_t pid);
   void evict(int64_t pid);
   int64_t choose();
-  double score(int64_t pid, const PoolRec& p);
+  double score(int64_t pid, const PoolRec& p, double bound);
   void pool_parents(int64_t pid, std::vector<int64_t>& out) const;
   void pool_children(int64_t pid, std::vector<int64_t>& out) const;
-  double neighborhood(int64_t pid, bool up, bool down);
+  double neighborhood(int64_t pid, bool up, bool down, double total, double denom,
+                      double bound);
   int64_t uf_find(int64_t x);
   void mark_evicted(int64_t pid);
   void uf_leave(PoolRec& p);

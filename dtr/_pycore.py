@@ -493,30 +493,37 @@ class PyCore:
         for pid, p in enumerate(self._P):
             if p is None or not self._evictable(p) or p.nbytes < self.min_evict_bytes:
                 continue
-            s = self._score(pid, p)
+            s = self._score(pid, p, best_score)
             if best < 0 or s < best_score:
                 best, best_score = pid, s
         return best
 
-    def _score(self, pid: int, p: _Pool) -> float:
+    def _score(self, pid: int, p: _Pool, bound: float) -> float:
+        """The pool's score; a neighbourhood walk stops once the score is known to be
+        >= bound (it cannot win then: costs are non-negative and float sums of them
+        only grow), which keeps the choice exact while skipping most of the walking."""
         h = self._h
         m = float(p.nbytes)
         stale = self.now - p.last_access
         if h == 4:  # size
             return 1.0 / m if m > 0 else math.inf
         if h == 5:  # msps: (c + evicted ancestors) / m, Capuchin
-            c = p.cost + self._neighborhood(pid, True, False)
-            return c / m if m > 0 else math.inf
+            if m <= 0:
+                return math.inf
+            c = self._neighborhood(pid, True, False, p.cost, m, bound)
+            return c / m
         denom = m * stale
         if h == 3:  # lru
             return 1.0 / stale if stale > 0 else math.inf
+        if denom <= 0:
+            return math.inf
         if h == 0:  # dtr: exact evicted neighbourhood
-            c = p.cost + self._neighborhood(pid, True, True)
+            c = self._neighborhood(pid, True, True, p.cost, denom, bound)
         elif h == 1:  # dtr_eq: union-find classes of evicted neighbours
             c = p.cost + self._eq_neighbors(pid)
         else:  # dtr_local
             c = p.cost
-        return c / denom if denom > 0 else math.inf
+        return c / denom
 
     # ------------------------------------------------------------------ neighbourhoods
     def _pool_parents(self, pid: int) -> list[int]:
@@ -537,10 +544,18 @@ class PyCore:
                         out.append(self._T[o].pool)
         return out
 
-    def _neighborhood(self, pid: int, up: bool, down: bool) -> float:
-        """Sum of the costs of evicted pools reachable from pid through evicted pools:
-        ancestors (up) and descendants (down). The paper's e*(t)."""
-        total = 0.0
+    def _neighborhood(
+        self,
+        pid: int,
+        up: bool,
+        down: bool,
+        total: float = 0.0,
+        denom: float = 1.0,
+        bound: float = math.inf,
+    ) -> float:
+        """total + the costs of the evicted pools reachable from pid through evicted
+        pools: ancestors (up) and descendants (down), the paper's e*(t). Stops early,
+        returning a partial sum, once total / denom >= bound."""
         for direction in (0, 1):
             if (direction == 0 and not up) or (direction == 1 and not down):
                 continue
@@ -557,6 +572,8 @@ class PyCore:
                     if pn.resident:
                         continue
                     total += pn.cost
+                    if total / denom >= bound:
+                        return total
                     stack.append(n)
         return total
 

@@ -46,3 +46,27 @@ def slowdown_vs_budget(rows: list[dict], path: str, title: str = "dtr: slowdown 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def overhead_vs_budget(rows: list[dict], path: str, title: str):
+    """The paper's pareto figure for one trace: overhead (total compute / baseline)
+    against the budget ratio, one line per heuristic; infeasible points are left out."""
+    plt = _pyplot()
+    by_heuristic: dict[str, list] = defaultdict(list)
+    for r in rows:
+        if r["status"] == "ok":
+            by_heuristic[r["heuristic"]].append((r["ratio"], r["overhead"]))
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for heuristic, pts in sorted(by_heuristic.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=heuristic)
+    ax.set_title(title)
+    ax.set_xlabel("budget / unconstrained peak")
+    ax.set_ylabel("compute / baseline")
+    ax.invert_xaxis()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,205 @@
+"""Heuristics in simulation: the DTR paper's study, on its own traces and on ours.
+
+Replays every trace under every heuristic at budget ratios 1.0 .. 0.05 of the
+unconstrained peak, with the paper's semantics for its traces and dtr's live semantics
+for traces dtr recorded from the bench models. Writes ``bench/results/sim.csv``, one plot
+per trace (overhead vs budget ratio, one line per heuristic: the paper's pareto figure),
+and a table of the smallest feasible ratio and the overhead at 0.5 and 0.3 next to what
+the paper's simulator reached.
+
+    python -m bench.simulate                    # prototype traces + recorded bench models
+    python -m bench.simulate --no-record        # prototype traces only
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import os
+import time
+
+import dtr
+import dtr.sim as sim
+from dtr.plot import overhead_vs_budget
+
+from .common import RESULTS, print_table, write_csv
+from .harness import train
+
+RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(20))
+
+# What the paper's own simulator reached on these traces (issue 3, measured by running
+# it): smallest feasible ratio on the 0.05 grid for h_DTR / h_DTR^eq / h_MSPS, and the
+# overhead of h_DTR at 0.5.
+PAPER = {
+    "tv_densenet121": ("DenseNet-121", (0.15, 0.20, 0.15), 1.176),
+    "inceptionv4": ("InceptionV4", (0.25, 0.25, 0.30), 1.092),
+    "resnet32": ("ResNet-32", (0.15, 0.15, 0.15), 1.107),
+    "transformer": ("Transformer", (0.20, 0.20, 0.15), 1.058),
+    "unet": ("U-Net", (0.45, 0.45, 0.30), 1.159),
+    "treelstm": ("TreeLSTM", (0.15, 0.25, 0.40), 1.123),
+    "lstm": ("LSTM", (0.20, 0.20, 0.30), 1.065),
+    "unroll_gan": ("Unrolled GAN", (0.25, 0.30, 0.65), 1.067),
+}
+HEADER = [
+    "trace",
+    "heuristic",
+    "ratio",
+    "status",
+    "overhead",
+    "evictions",
+    "remats",
+    "peak_bytes",
+    "budget_bytes",
+    "seconds",
+]
+
+
+def prototype_traces(folder: str) -> list[tuple[str, str]]:
+    out = []
+    for key in PAPER:
+        matches = sorted(glob.glob(os.path.join(folder, key + "-*")))
+        if matches:
+            out.append((PAPER[key][0], matches[0]))
+    return out
+
+
+def record_bench_traces(folder: str, models: list[str]) -> list[tuple[str, str]]:
+    """One training step of each bench model (test size) under dtr, traced."""
+    os.makedirs(folder, exist_ok=True)
+    out = []
+    for name in models:
+        path = os.path.join(folder, f"{name}.jsonl.gz")
+        train(name, steps=1, dtr_kwargs={"trace": path, "cost_model": "roofline"})
+        out.append((f"dtr {name}", path))
+    return out
+
+
+def sweep(traces, heuristics, ratios, engine: str) -> list[dict]:
+    rows = []
+    for label, path in traces:
+        prog = sim.load(path)
+        start = time.perf_counter()
+        for heuristic in heuristics:
+            for ratio in ratios:
+                res = sim.simulate(prog, heuristic, ratio=ratio, engine=engine)
+                rows.append(dict(trace=label, heuristic=heuristic, ratio=ratio, **res.as_dict()))
+        print(
+            f"{label}: {len(heuristics) * len(ratios)} runs of {prog.ops} ops in "
+            f"{time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
+    return rows
+
+
+def smallest_feasible(rows, trace, heuristic):
+    ok = [
+        r["ratio"]
+        for r in rows
+        if r["trace"] == trace and r["heuristic"] == heuristic and r["status"] == "ok"
+    ]
+    return min(ok) if ok else math.nan
+
+
+def overhead_at(rows, trace, heuristic, ratio):
+    for r in rows:
+        if (r["trace"], r["heuristic"], r["ratio"]) == (trace, heuristic, ratio):
+            return r["overhead"] if r["status"] == "ok" else math.nan
+    return math.nan
+
+
+def holes(rows, trace, heuristic) -> list[float]:
+    """Feasibility holes: ratios that fail while a smaller one succeeds."""
+    pts = sorted(
+        (r["ratio"], r["status"] == "ok")
+        for r in rows
+        if r["trace"] == trace and r["heuristic"] == heuristic
+    )
+    smallest_ok = next((ratio for ratio, ok in pts if ok), None)
+    return [
+        ratio for ratio, ok in pts if not ok and smallest_ok is not None and ratio > smallest_ok
+    ]
+
+
+def comparison(rows) -> list[list]:
+    table = []
+    for label, paper_min, paper_half in PAPER.values():
+        if not any(r["trace"] == label for r in rows):
+            continue
+        ours = [smallest_feasible(rows, label, h) for h in ("dtr", "dtr_eq", "msps")]
+        half = overhead_at(rows, label, "dtr", 0.5)
+        table.append(
+            [
+                label,
+                "/".join(f"{x:.2f}" for x in ours),
+                "/".join(f"{x:.2f}" for x in paper_min),
+                f"{half:.3f}",
+                f"{paper_half:.3f}",
+                f"{overhead_at(rows, label, 'dtr', 0.3):.3f}",
+                ",".join(f"{x:.2f}" for x in holes(rows, label, "dtr")) or "-",
+            ]
+        )
+    return table
+
+
+def speed(rows) -> list[list]:
+    """Simulated trace ops per second, one run at a time: the median over all runs of a
+    heuristic (every trace and ratio), and its slowest run."""
+    out = []
+    for heuristic in sorted({r["heuristic"] for r in rows}):
+        mine = [r for r in rows if r["heuristic"] == heuristic]
+        rates = sorted(r["ops"] / r["seconds"] for r in mine if r["seconds"] > 0)
+        out.append(
+            [heuristic, f"{rates[len(rates) // 2]:,.0f}", f"{max(r['seconds'] for r in mine):.2f}"]
+        )
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--traces", default=sim.PROTOTYPE_DIR)
+    parser.add_argument("--no-record", action="store_true", help="skip the bench models")
+    parser.add_argument(
+        "--models", nargs="+", default=["mlp", "cnn", "lstm", "transformer", "tree"]
+    )
+    parser.add_argument("--heuristics", nargs="+", default=list(dtr.HEURISTICS))
+    parser.add_argument("--engine", default="c++", choices=["c++", "python"])
+    parser.add_argument("--out", default=os.path.join(RESULTS, "sim.csv"))
+    args = parser.parse_args(argv)
+    traces = prototype_traces(args.traces)
+    if not traces:
+        print(f"no prototype traces in {args.traces}; continuing with ours")
+    if not args.no_record:
+        traces += record_bench_traces(os.path.join(RESULTS, "traces"), args.models)
+    start = time.perf_counter()
+    rows = sweep(traces, args.heuristics, RATIOS, args.engine)
+    seconds = time.perf_counter() - start
+    write_csv(args.out, HEADER, [[r[h] for h in HEADER] for r in rows])
+    plots = os.path.join(os.path.dirname(args.out), "sim")
+    os.makedirs(plots, exist_ok=True)
+    for label, _ in traces:
+        overhead_vs_budget(
+            [r for r in rows if r["trace"] == label],
+            os.path.join(plots, label.replace(" ", "_") + ".png"),
+            label,
+        )
+    print()
+    print_table(
+        [
+            "trace",
+            "min ratio dtr/eq/msps",
+            "paper",
+            "dtr @0.5",
+            "paper @0.5",
+            "dtr @0.3",
+            "dtr holes",
+        ],
+        comparison(rows),
+    )
+    print()
+    print_table(["heuristic", "median ops/s", "slowest run (s)"], speed(rows))
+    print(f"\n{len(rows)} runs in {seconds:.1f} s; wrote {args.out} and {plots}/")
+
+
+if __name__ == "__main__":
+    main()
