@@ -298,3 +298,54 @@ def test_cli_result_line(tmp_path):
 def test_cli_errors(tmp_path):
     out = _cli("no-such-trace", "--traces", str(tmp_path))
     assert out.returncode == 2 and out.stderr.startswith("dtr: no trace")
+
+
+def _count_ops(path):
+    counts = {}
+    for line in open(path):
+        r = json.loads(line)
+        if r["INSTRUCTION"] == "CALL":
+            counts[r["NAME"]] = counts.get(r["NAME"], 0) + 1
+    return counts
+
+
+def test_static_schedules_known_costs(tmp_path):
+    from dtr.sim import chain
+
+    n, mb = 64, 1 << 20
+    plain = sim.load(chain.plain(n, str(tmp_path / "p.jsonl")))
+    assert sim.simulate(plain, budget=-1).peak_bytes == (n + 2) * mb
+    # Chen: checkpoints every 8 steps; x_1..x_63 less the 7 checkpoints rebuilt once.
+    path = chain.chen(n, str(tmp_path / "c.jsonl"))
+    assert _count_ops(path) == {"x": n + 1 + (n - 1) - (n - 1) // 8, "g": n + 1}
+    res = sim.simulate(sim.load(path), budget=-1)
+    assert res.peak_bytes <= (2 * 8 + 4) * mb
+    # Binomial with no slot: rebuild every state from x0, 0 + 1 + ... + (n-1).
+    path = chain.binomial(n, str(tmp_path / "b0.jsonl"), 0)
+    assert _count_ops(path) == {"x": n + 1 + n * (n - 1) // 2, "g": n + 1}
+    # More slots, fewer recomputations, more memory; every schedule replays.
+    costs, peaks = [], []
+    for slots in (1, 2, 4, 8):
+        path = chain.binomial(n, str(tmp_path / f"b{slots}.jsonl"), slots)
+        costs.append(_count_ops(path)["x"])
+        res = sim.simulate(sim.load(path), budget=-1)
+        assert res.status == "ok"
+        peaks.append(res.peak_bytes)
+    assert costs == sorted(costs, reverse=True) and peaks == sorted(peaks)
+
+
+def test_dtr_on_chain_is_linear_at_two_sqrt_n():
+    # Theorem 3.1, small: total ops / N stays flat for the dtr heuristic.
+    import math
+    import tempfile
+
+    from dtr.sim import chain
+
+    ratios = []
+    with tempfile.TemporaryDirectory() as d:
+        for n in (100, 400, 1600):
+            prog = sim.load(chain.plain(n, os.path.join(d, f"{n}.jsonl")))
+            res = sim.simulate(prog, "dtr", budget=math.ceil(2 * math.sqrt(n)) << 20, thrash=0)
+            assert res.status == "ok"
+            ratios.append((prog.baseline + res.remat_cost) / n)
+    assert max(ratios) < 3.5 and ratios[-1] - ratios[0] < 0.3
