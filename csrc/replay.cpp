@@ -190,23 +190,12 @@ class Replayer {
       nbytes.push_back(body[4 * j + 3]);
     }
     std::vector<int64_t> outs;
-    if (!live_) {  // the paper's semantics: lock inputs, make room first, then run
-      for (int64_t t : args) core_.lock(t);
-      try {
-        for (int64_t t : args) materialize(t);
-        int64_t extra = 0;
-        for (int64_t j = 0; j < nres; ++j)
-          if (kinds[j] == kNew) extra += nbytes[j];
-        if (!core_.make_room(extra)) throw Stop{"oom"};
-        core_.drain();
-        if (nres) outs = core_.record(args, cost, kinds, refs, nbytes);
-      } catch (...) {
-        for (int64_t t : args) core_.unlock(t);
-        throw;
-      }
-      for (int64_t t : args) core_.unlock(t);
+    if (!live_) {
+      int64_t extra = 0;
+      for (int64_t j = 0; j < nres; ++j)
+        if (kinds[j] == kNew) extra += nbytes[j];
+      outs = prototype_op(args, cost, kinds, refs, nbytes, [extra] { return extra; });
       for (int64_t j = 0; j < static_cast<int64_t>(outs.size()); ++j) slots_[body[4 * j]] = outs[j];
-      core_.make_room(0);
       return pc;
     }
     if (nres) outs = core_.record(args, cost, kinds, refs, nbytes);
@@ -238,29 +227,44 @@ class Replayer {
     pc += 1 + 2 * nmut;
     std::vector<int64_t> written;
     for (int64_t j = 0; j < nmut; ++j) written.push_back(args[pairs[2 * j]]);
-    std::vector<int64_t> outs;
-    for (int64_t t : args) core_.lock(t);
-    try {
-      for (int64_t t : args) materialize(t);
-      std::vector<int64_t> nbytes;
+    std::vector<int64_t> nbytes;
+    // Each written argument gets a fresh copy of its storage.
+    auto room = [&] {
       int64_t extra = 0;
       for (int64_t t : written) {
         nbytes.push_back(core_.pool_bytes(t));
         extra += nbytes.back();
       }
-      if (!core_.make_room(extra)) throw Stop{"oom"};
+      return extra;
+    };
+    const std::vector<int64_t> outs = prototype_op(args, cost, std::vector<int64_t>(nmut, kNew),
+                                                   std::vector<int64_t>(nmut, -1), nbytes, room);
+    for (int64_t j = 0; j < nmut; ++j) slots_[pairs[2 * j + 1]] = outs[j];
+    for (int64_t t : written) core_.release(t);  // the name now means the new tensor
+    return pc;
+  }
+
+  // The paper's semantics for one op: lock and materialize its inputs, make room for its
+  // fresh outputs first (room() bytes), then record it.
+  template <typename Room>
+  std::vector<int64_t> prototype_op(const std::vector<int64_t>& args, double cost,
+                                    const std::vector<int64_t>& kinds,
+                                    const std::vector<int64_t>& refs,
+                                    const std::vector<int64_t>& nbytes, Room room) {
+    std::vector<int64_t> outs;
+    for (int64_t t : args) core_.lock(t);
+    try {
+      for (int64_t t : args) materialize(t);
+      if (!core_.make_room(room())) throw Stop{"oom"};
       core_.drain();
-      outs = core_.record(args, cost, std::vector<int64_t>(nmut, kNew),
-                          std::vector<int64_t>(nmut, -1), nbytes);
+      if (!kinds.empty()) outs = core_.record(args, cost, kinds, refs, nbytes);
     } catch (...) {
       for (int64_t t : args) core_.unlock(t);
       throw;
     }
     for (int64_t t : args) core_.unlock(t);
-    for (int64_t j = 0; j < nmut; ++j) slots_[pairs[2 * j + 1]] = outs[j];
-    for (int64_t t : written) core_.release(t);  // the name now means the new tensor
     core_.make_room(0);
-    return pc;
+    return outs;
   }
 
   void end() {

@@ -22,6 +22,7 @@ from ._pycore import NEW, VERSION, VIEW
 from .call import Call, rebuild_returns, returns_of, substitute
 from .config import DTRConfig
 from .errors import BudgetError, DTRError, InternalError, UnsupportedError
+from .protocol import Driver
 from .recipe import VERSION_SPEC, Recipe, StandIn, copy_preserving_layout
 from .schema import OpFacts, op_facts
 from .tensor import CheckpointTensor, Node, Ref
@@ -78,7 +79,7 @@ class _Op:
         self.inputs: list[int] | None = None  # the core inputs of the recorded recipe
 
 
-class Runtime:
+class Runtime(Driver):
     def __init__(self, config: DTRConfig):
         self.config = config
         budget = -1 if config.budget_bytes is None else config.budget_bytes
@@ -226,7 +227,7 @@ class Runtime:
             self._trace_call(op, out_tids, [NEW], [-1])
         for tid in op.fresh:
             self.core.release(tid)
-        self._drain()
+        self.drain()
         result = CheckpointTensor(Ref(node, self), out)
         self._settle([node.tid], func)
         return result
@@ -244,7 +245,7 @@ class Runtime:
                 if not twice and core.is_private(node.tid):
                     op.versioned.append(k)  # the old value keeps its lineage
                     continue
-                self._invalidate(core.members(node.tid))  # aliased: pin the pool
+                self.invalidate(core.members(node.tid))  # aliased: pin the pool
             else:
                 self._writes_to_plain_leaf(op.vals[k], op.tids[k])
         if op.facts.fresh_returns or op.versioned:
@@ -333,7 +334,7 @@ class Runtime:
         self._set_recipe(self.core.recipe_of(out_tids[0]), rec)
         if self.trace is not None:
             self._trace_call(op, out_tids, kinds, refs)
-        self._drain()
+        self.drain()
         return rebuild_returns(op.facts, out, replacements), protect
 
     def _trace_call(self, op: _Op, outputs: list[int], kinds: list[int], refs: list[int]):
@@ -368,12 +369,12 @@ class Runtime:
             for tid in fresh:
                 core.unlock(tid)
         if not ok:
-            self._drain()
+            self.drain()
             requested = sum(core.pool_bytes(t) for t in fresh)
             raise self._budget_error(requested, f"running {func}")
         if self.config.stress:
             core.evict_all()
-        self._drain()
+        self.drain()
         if self.config.check:
             core.check()
 
@@ -381,65 +382,32 @@ class Runtime:
     def _value(self, node: Node) -> torch.Tensor:
         value = node.value
         if value is None:
-            self._rematerialize(node.tid)
+            self.rematerialize(node.tid)
             value = node.value
             if value is None:
                 raise InternalError(f"dtr: rematerializing {node.describe()} left no value")
         return value
 
-    def _rematerialize(self, tid: int) -> None:
-        """Rerun the recipes that rebuild tid, as the core schedules them (Invariant 7:
-        iterative). The caller holds tid locked."""
-        core = self.core
-        core.remat_begin(tid)
-        finished = False
-        try:
-            while True:
-                rid = core.remat_step()
-                if rid < 0:
-                    break
-                rec = self.recipes[rid]
-                need = core.remat_bytes(rid)
-                if not core.make_room(need):
-                    raise self._budget_error(need, f"recomputing {rec.facts.name}")
-                self._drain()
-                stolen = core.steals(rid)
-                start = _perf()
-                values = rec.replay(stolen)
-                self.recompute_seconds += _perf() - start
-                nbytes = []
-                for node, value in zip(rec.outputs, values):
-                    if node.tid >= 0 and node.value is None:
-                        node.value = value
-                    nbytes.append(value.untyped_storage().nbytes())
-                core.remat_done(rid, nbytes, stolen)
-            finished = True
-        finally:
-            if not finished:
-                core.remat_abort()
-            self._drain()
+    # Driver hooks (dtr/protocol.py): rematerialize() and invalidate() come from there.
+    def rerun(self, rid: int, stolen: list[int]) -> list[int]:
+        rec = self.recipes[rid]
+        start = _perf()
+        values = rec.replay(stolen)
+        self.recompute_seconds += _perf() - start
+        nbytes = []
+        for node, value in zip(rec.outputs, values):
+            if node.tid >= 0 and node.value is None:
+                node.value = value
+            nbytes.append(value.untyped_storage().nbytes())
+        return nbytes
 
-    def _invalidate(self, seeds: list[int]) -> None:
-        """The value of seeds is about to change in place and cannot keep its lineage.
-        Every tensor the program holds whose lineage reads it is materialized now and
-        pinned; lineage nobody needs any more is dropped (Invariants 3 and 4)."""
-        core = self.core
+    def out_of_budget(self, rid: int, need: int) -> Exception:
+        return self._budget_error(need, f"recomputing {self.recipes[rid].facts.name}")
+
+    def invalidate(self, seeds: list[int]) -> None:
         if self.trace is not None:
             self.trace.invalidate([self._label(t) for t in seeds])
-        todo = list(seeds) + core.descendants(seeds)
-        held: list[int] = []
-        try:
-            for t in todo:
-                if core.ext(t) > 0 and not core.is_materialized(t) and not core.is_constant(t):
-                    core.lock(t)
-                    held.append(t)
-                    self._rematerialize(t)
-            for t in todo:
-                core.pin(t)
-        finally:
-            for t in held:
-                core.unlock(t)
-            self._drain()
+        super().invalidate(seeds)
 
     def _writes_to_plain(self, call: Call, writes) -> None:
         for k, t in enumerate(call.leaves):
@@ -451,12 +419,12 @@ class Runtime:
         """A plain tensor is about to be written: recipes that read its old value become
         invalid (the optimizer updating parameters is the common case)."""
         if tid >= 0 and self.core.has_consumers(tid):
-            self._invalidate([tid])
+            self.invalidate([tid])
         key = t.untyped_storage()._cdata
         node = self.escaped.get(key)
         if node is not None:
             if node.tid >= 0:
-                self._invalidate(self.core.members(node.tid))
+                self.invalidate(self.core.members(node.tid))
             else:
                 del self.escaped[key]
 
@@ -513,7 +481,7 @@ class Runtime:
             key = value.untyped_storage()._cdata
             self.escaped[key] = node
             self.escaped_keys[node.tid] = key
-            self._drain()
+            self.drain()
             return value
 
     def read(self, ref: Ref) -> torch.Tensor:
@@ -529,7 +497,7 @@ class Runtime:
                 return self._value(node)
             finally:
                 self.core.unlock(node.tid)
-                self._drain()
+                self.drain()
 
     # ================================================================== housekeeping
     def _set_node(self, tid: int, node: Node) -> None:
@@ -544,7 +512,7 @@ class Runtime:
             recipes.extend([None] * (rid + 1 - len(recipes)))
         recipes[rid] = rec
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Mirror the core: drop the values it evicted, forget what it dropped."""
         evicted, dropped, dropped_recipes = self.core.drain()
         nodes = self.nodes
@@ -578,7 +546,7 @@ class Runtime:
                     if self.trace is not None:
                         self.trace.release(node.label)
                     core.release(node.tid)
-            self._drain()
+            self.drain()
 
     def _describe(self, tid: int) -> str:
         node = self.nodes[tid] if tid < len(self.nodes) else None
@@ -612,10 +580,10 @@ class Runtime:
                     if node is not None and node.value is None:
                         self.core.lock(tid)
                         try:
-                            self._rematerialize(tid)
+                            self.rematerialize(tid)
                         finally:
                             self.core.unlock(tid)
-                self._drain()
+                self.drain()
             finally:
                 self.is_open = False
                 if self.trace is not None:

@@ -11,6 +11,7 @@ Command line: ``python -m dtr.sim TRACE --heuristic dtr_eq --budget-ratio 0.4``.
 from __future__ import annotations
 
 import os
+import time
 
 from .._core import core_class
 from .._pycore import HEURISTICS, PyCore
@@ -85,21 +86,8 @@ def simulate(
 
 
 def _cpp_replay(prog, core, stress, thrash, log) -> Result:
-    import time
-
     start = time.perf_counter()
     status = core.replay(
         prog.code, prog.costs, prog.nslots, prog.mode, stress, thrash, prog.baseline, log
     )
-    return Result(
-        status=status,
-        budget_bytes=core.budget,
-        peak_bytes=core.max_bytes,
-        evictions=core.evictions,
-        remats=core.remats,
-        remat_cost=core.remat_cost,
-        baseline=prog.baseline,
-        ops=prog.ops,
-        seconds=time.perf_counter() - start,
-        eviction_log=core.eviction_log() if log else None,
-    )
+    return Result.of(core, prog, status, time.perf_counter() - start, log)

@@ -12,6 +12,7 @@ import dataclasses
 import time
 
 from .._pycore import NEW, VERSION
+from ..protocol import Driver
 from . import program as P
 
 
@@ -42,6 +43,22 @@ class Result:
         """Total compute / the compute of running each op once."""
         return (self.baseline + self.remat_cost) / self.baseline if self.baseline else 1.0
 
+    @classmethod
+    def of(cls, core, prog: P.Program, status: str, seconds: float, log: bool) -> Result:
+        """The result of a replay that left core in its final state."""
+        return cls(
+            status=status,
+            budget_bytes=core.budget,
+            peak_bytes=core.max_bytes,
+            evictions=core.evictions,
+            remats=core.remats,
+            remat_cost=core.remat_cost,
+            baseline=prog.baseline,
+            ops=prog.ops,
+            seconds=seconds,
+            eviction_log=core.eviction_log() if log else None,
+        )
+
     def as_dict(self) -> dict:
         return {
             "status": self.status,
@@ -58,7 +75,7 @@ class Result:
         }
 
 
-class Replay:
+class Replay(Driver):
     def __init__(self, prog: P.Program, core, stress: bool = False, thrash: float = 2.0):
         self.prog = prog
         self.core = core
@@ -75,46 +92,13 @@ class Replay:
         except _Stop as stop:
             return stop.status
 
-    # ------------------------------------------------------------------ helpers
-    def materialize(self, tid: int) -> None:
-        core = self.core
-        if core.is_materialized(tid):
-            return
-        core.remat_begin(tid)
-        finished = False
-        try:
-            while True:
-                rid = core.remat_step()
-                if rid < 0:
-                    break
-                if not core.make_room(core.remat_bytes(rid)):
-                    raise _Stop("oom")
-                core.drain()
-                core.remat_done(rid, [], core.steals(rid))
-                if core.remat_cost > self.limit:
-                    raise _Stop("thrash")
-            finished = True
-        finally:
-            if not finished:
-                core.remat_abort()
-            core.drain()
+    # ------------------------------------------------------------------ driver hooks
+    def out_of_budget(self, rid: int, need: int) -> Exception:
+        return _Stop("oom")
 
-    def invalidate(self, seeds: list[int]) -> None:
-        core = self.core
-        todo = list(seeds) + core.descendants(seeds)
-        held = []
-        try:
-            for t in todo:
-                if core.ext(t) > 0 and not core.is_materialized(t) and not core.is_constant(t):
-                    core.lock(t)
-                    held.append(t)
-                    self.materialize(t)
-            for t in todo:
-                core.pin(t)
-        finally:
-            for t in held:
-                core.unlock(t)
-            core.drain()
+    def after_rerun(self) -> None:
+        if self.core.remat_cost > self.limit:
+            raise _Stop("thrash")
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
@@ -153,7 +137,7 @@ class Replay:
                     core.lock(t)
                     self.locked.append(t)
                 for t in tids:
-                    self.materialize(t)
+                    self.rematerialize_if_needed(t)
                 pc += 2 + k
             elif op == P.INVALIDATE:
                 k = code[pc + 1]
@@ -163,7 +147,7 @@ class Replay:
                 t = slots[code[pc + 1]]
                 core.lock(t)
                 try:
-                    self.materialize(t)
+                    self.rematerialize_if_needed(t)
                 finally:
                     core.unlock(t)
                 if op == P.EXPORT:
@@ -194,22 +178,11 @@ class Replay:
         kinds = body[1::4]
         refs = [args[r] if r >= 0 else -1 for r in body[2::4]]
         nbytes = body[3::4]
-        if not live:  # the paper's semantics: lock inputs, make room first, then run
-            for t in args:
-                core.lock(t)
-            try:
-                for t in args:
-                    self.materialize(t)
-                if not core.make_room(sum(b for k, b in zip(kinds, nbytes) if k == NEW)):
-                    raise _Stop("oom")
-                core.drain()
-                outs = core.record(args, cost, kinds, refs, nbytes) if nres else []
-            finally:
-                for t in args:
-                    core.unlock(t)
+        if not live:
+            extra = sum(b for k, b in zip(kinds, nbytes) if k == NEW)
+            outs = self._prototype_op(args, cost, kinds, refs, nbytes, lambda: extra)
             for s, t in zip(body[0::4], outs):
                 slots[s] = t
-            core.make_room(0)
             return pc
         outs = core.record(args, cost, kinds, refs, nbytes) if nres else []
         core.drain()
@@ -242,25 +215,41 @@ class Replay:
         pairs = code[pc + 1 : pc + 1 + 2 * nmut]
         pc += 1 + 2 * nmut
         written = [args[m] for m in pairs[0::2]]
-        for t in args:
-            core.lock(t)
-        try:
-            for t in args:
-                self.materialize(t)
-            nbytes = [core.pool_bytes(t) for t in written]
-            if not core.make_room(sum(nbytes)):
-                raise _Stop("oom")
-            core.drain()
-            outs = core.record(args, cost, [NEW] * nmut, [-1] * nmut, nbytes)
-        finally:
-            for t in args:
-                core.unlock(t)
+        nbytes: list[int] = []
+
+        def room() -> int:  # each written argument gets a fresh copy of its storage
+            nbytes.extend(core.pool_bytes(t) for t in written)
+            return sum(nbytes)
+
+        outs = self._prototype_op(args, cost, [NEW] * nmut, [-1] * nmut, nbytes, room)
         for s, t in zip(pairs[1::2], outs):
             slots[s] = t
         for t in written:  # the name now means the new tensor
             core.release(t)
-        core.make_room(0)
         return pc
+
+    def _prototype_op(self, args, cost, kinds, refs, nbytes, room) -> list[int]:
+        """The paper's semantics for one op: lock and materialize its inputs, make room
+        for its fresh outputs first (room() bytes), then record it."""
+        core = self.core
+        for t in args:
+            core.lock(t)
+        try:
+            for t in args:
+                self.rematerialize_if_needed(t)
+            if not core.make_room(room()):
+                raise _Stop("oom")
+            core.drain()
+            outs = core.record(args, cost, kinds, refs, nbytes) if kinds else []
+        finally:
+            for t in args:
+                core.unlock(t)
+        core.make_room(0)
+        return outs
+
+    def rematerialize_if_needed(self, tid: int) -> None:
+        if not self.core.is_materialized(tid):
+            self.rematerialize(tid)
 
     def _end(self, live: bool) -> None:
         core = self.core
@@ -269,7 +258,7 @@ class Replay:
         for t in core.alive():
             core.lock(t)
             try:
-                self.materialize(t)
+                self.rematerialize_if_needed(t)
             finally:
                 core.unlock(t)
             if not live:  # the paper's simulator pinned what the step left alive
@@ -286,15 +275,4 @@ def replay(
         core.log_evictions(True)
     start = time.perf_counter()
     status = Replay(prog, core, stress, thrash).run()
-    return Result(
-        status=status,
-        budget_bytes=core.budget,
-        peak_bytes=core.max_bytes,
-        evictions=core.evictions,
-        remats=core.remats,
-        remat_cost=core.remat_cost,
-        baseline=prog.baseline,
-        ops=prog.ops,
-        seconds=time.perf_counter() - start,
-        eviction_log=core.eviction_log() if log else None,
-    )
+    return Result.of(core, prog, status, time.perf_counter() - start, log)

@@ -1,0 +1,77 @@
+"""The driver protocol: sequences of core calls that the live runtime and the simulator
+make the same way, so that a replayed trace reproduces a live run's decisions exactly.
+
+The core's choices depend on the order of every call (ids are reused in the order they
+are drained; staleness follows the clock), so these algorithms are written once, here.
+``csrc/replay.cpp`` is their compiled twin for the simulator's speed; tests compare it
+with the Python driver.
+"""
+
+from __future__ import annotations
+
+
+class Driver:
+    """Base of ``dtr.runtime.Runtime`` and ``dtr.sim.driver.Replay``. Subclasses say how
+    a recipe is rerun, what happens when the budget cannot be met, and what draining the
+    core means for them."""
+
+    core = None
+
+    def drain(self) -> None:
+        self.core.drain()
+
+    def rerun(self, rid: int, stolen: list[int]) -> list[int]:
+        """Rerun recipe rid (its inputs are materialized and locked); return the
+        measured storage size of each output, or [] to keep the recorded sizes."""
+        return []
+
+    def out_of_budget(self, rid: int, need: int) -> Exception:
+        """The exception to raise when no victim frees the `need` bytes rid needs."""
+        raise NotImplementedError
+
+    def after_rerun(self) -> None:
+        """Called after each recomputation (the simulator checks its recompute cap)."""
+
+    def rematerialize(self, tid: int) -> None:
+        """Rerun the recipes that rebuild tid, in the order the core schedules them
+        (Invariant 7: iterative). The caller holds tid locked."""
+        core = self.core
+        core.remat_begin(tid)
+        finished = False
+        try:
+            while True:
+                rid = core.remat_step()
+                if rid < 0:
+                    break
+                need = core.remat_bytes(rid)
+                if not core.make_room(need):
+                    raise self.out_of_budget(rid, need)
+                self.drain()
+                stolen = core.steals(rid)
+                core.remat_done(rid, self.rerun(rid, stolen), stolen)
+                self.after_rerun()
+            finished = True
+        finally:
+            if not finished:
+                core.remat_abort()
+            self.drain()
+
+    def invalidate(self, seeds: list[int]) -> None:
+        """seeds are about to be written in place without keeping their lineage: every
+        tensor the program holds whose lineage reads them is materialized now and
+        pinned, and lineage nobody needs any more is dropped (Invariants 3 and 4)."""
+        core = self.core
+        todo = list(seeds) + core.descendants(seeds)
+        held: list[int] = []
+        try:
+            for t in todo:
+                if core.ext(t) > 0 and not core.is_materialized(t) and not core.is_constant(t):
+                    core.lock(t)
+                    held.append(t)
+                    self.rematerialize(t)
+            for t in todo:
+                core.pin(t)
+        finally:
+            for t in held:
+                core.unlock(t)
+            self.drain()
