@@ -142,6 +142,24 @@ def comparison(rows) -> list[list]:
     return table
 
 
+def scan_holes(traces, engine: str) -> None:
+    """Feasibility holes on a fine grid: budgets that fail while a smaller one succeeds
+    (reported for DTR in 2026)."""
+    fine = tuple(round(1.0 - 0.01 * i, 2) for i in range(96))
+    heuristics = ["dtr", "dtr_eq", "msps"]
+    rows = sweep(traces, heuristics, fine, engine)
+    table = []
+    for label, _ in traces:
+        for h in heuristics:
+            found = holes(rows, label, h)
+            table.append([label, h, f"{smallest_feasible(rows, label, h):.2f}", len(found),
+                          " ".join(f"{x:.2f}" for x in found) or "-"])
+    header = ["trace", "heuristic", "smallest feasible", "holes", "failing ratios above it"]
+    print()
+    print_table(header, table)
+    write_csv(os.path.join(RESULTS, "holes.csv"), header, table)
+
+
 def speed(rows) -> list[list]:
     """Simulated trace ops per second, one run at a time: the median over all runs of a
     heuristic (every trace and ratio), and its slowest run."""
@@ -165,7 +183,13 @@ def main(argv=None) -> None:
     parser.add_argument("--heuristics", nargs="+", default=list(dtr.HEURISTICS))
     parser.add_argument("--engine", default="c++", choices=["c++", "python"])
     parser.add_argument("--out", default=os.path.join(RESULTS, "sim.csv"))
+    parser.add_argument("--holes", action="store_true",
+                        help="instead: scan ratios 1.00 .. 0.05 in steps of 0.01 for "
+                        "feasibility holes (dtr, dtr_eq, msps; bench/results/holes.csv)")
     args = parser.parse_args(argv)
+    if args.holes:
+        scan_holes(prototype_traces(args.traces), args.engine)
+        return
     traces = prototype_traces(args.traces)
     if not traces:
         print(f"no prototype traces in {args.traces}; continuing with ours")
