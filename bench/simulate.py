@@ -152,8 +152,15 @@ def scan_holes(traces, engine: str) -> None:
     for label, _ in traces:
         for h in heuristics:
             found = holes(rows, label, h)
-            table.append([label, h, f"{smallest_feasible(rows, label, h):.2f}", len(found),
-                          " ".join(f"{x:.2f}" for x in found) or "-"])
+            table.append(
+                [
+                    label,
+                    h,
+                    f"{smallest_feasible(rows, label, h):.2f}",
+                    len(found),
+                    " ".join(f"{x:.2f}" for x in found) or "-",
+                ]
+            )
     header = ["trace", "heuristic", "smallest feasible", "holes", "failing ratios above it"]
     print()
     print_table(header, table)
@@ -183,9 +190,12 @@ def main(argv=None) -> None:
     parser.add_argument("--heuristics", nargs="+", default=list(dtr.HEURISTICS))
     parser.add_argument("--engine", default="c++", choices=["c++", "python"])
     parser.add_argument("--out", default=os.path.join(RESULTS, "sim.csv"))
-    parser.add_argument("--holes", action="store_true",
-                        help="instead: scan ratios 1.00 .. 0.05 in steps of 0.01 for "
-                        "feasibility holes (dtr, dtr_eq, msps; bench/results/holes.csv)")
+    parser.add_argument(
+        "--holes",
+        action="store_true",
+        help="instead: scan ratios 1.00 .. 0.05 in steps of 0.01 for "
+        "feasibility holes (dtr, dtr_eq, msps; bench/results/holes.csv)",
+    )
     args = parser.parse_args(argv)
     if args.holes:
         scan_holes(prototype_traces(args.traces), args.engine)

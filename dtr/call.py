@@ -99,6 +99,8 @@ def returns_of(facts: OpFacts, out) -> list[tuple[int, int, object]]:
 
 def rebuild_returns(facts: OpFacts, out, replacements: dict) -> object:
     """The op's return value with the tensors at (i, j) swapped for replacements[(i, j)]."""
+    if out is None or not replacements:
+        return out
     if facts.nreturns == 1:
         if isinstance(out, _Tensor):
             return replacements.get((0, -1), out)

@@ -106,12 +106,22 @@ class Runtime(Driver):
                 self._flush()
             facts = op_facts(func)
             call = Call(facts, args, kwargs)
-            managed = False
+            managed = strided = False
             for t in call.leaves:
                 if type(t) is CheckpointTensor or isinstance(t, CheckpointTensor):
                     if t._dtr_ref.runtime is not self:
                         return self.handle(func, *_unwrap_foreign(call, self))
                     managed = True
+                elif t.layout != torch.strided:
+                    strided = True  # sparse, nested, ...: dtr leaves these alone
+            if strided:
+                if managed:
+                    raise UnsupportedError(
+                        f"dtr: {facts.name} mixes a managed tensor with a non-strided "
+                        "(sparse or nested) one, which dtr does not support; "
+                        "dtr.materialize() the managed tensor first"
+                    )
+                return func(*args, **kwargs)
             special = _SPECIAL.get(func)
             if special is not None:
                 return special(self, func, facts, call, managed)
@@ -119,17 +129,19 @@ class Runtime(Driver):
             if facts.hidden_writes is not None:
                 writes = writes | set(facts.hidden_writes(call.schema_values(facts)))
             if not managed:
-                if writes:
+                if writes and facts.view_inplace is None:  # t_() and kin change no data
                     self._writes_to_plain(call, writes)
                     return func(*args, **kwargs)
                 if facts.view or not _wants_management(call):
                     return func(*args, **kwargs)
             elif facts.meta_only:
                 return self._run_meta_only(func, facts, call)
+            elif facts.view_inplace is not None:
+                return self._run_view_inplace(func, facts, call)
             elif facts.metadata_inplace:
                 raise UnsupportedError(
-                    f"dtr: {facts.name} changes the sizes or storage of a managed tensor in "
-                    "place, which dtr does not support; use the out-of-place op, or "
+                    f"dtr: {facts.name} replaces the storage of a managed tensor in place, "
+                    "which dtr does not support; use the out-of-place op, or "
                     "dtr.materialize() the tensor first"
                 )
             return self._run(func, facts, call, writes)
@@ -184,6 +196,18 @@ class Runtime(Driver):
                 core.release(tid)
         self._settle(protect, func)
         return result
+
+    def _run_view_inplace(self, func, facts: OpFacts, call: Call):
+        """x.squeeze_(), x.t_(), ...: x becomes a view of what it was. Its data does not
+        change, so this is the view op, recorded like any other, with x taking the
+        result's identity and (through the real kernel) its sizes and strides."""
+        x = call.leaves[0]
+        view = facts.view_inplace
+        y = self._run(view, op_facts(view), Call(op_facts(view), call.args, call.kwargs), ())
+        x._dtr_ref = y._dtr_ref
+        with torch._C._DisableTorchDispatch():
+            func(*call.args, **call.kwargs)  # metadata only: the wrapper has no data
+        return x
 
     def _run_meta_only(self, func, facts: OpFacts, call: Call):
         """empty_like(x) and kin: run on a meta stand-in of x, so neither this call nor
@@ -275,6 +299,8 @@ class Runtime(Driver):
             k = _identity(o, op.vals, op.written)
             if k >= 0:  # an in-place op returned its argument
                 replacements[(i, j)] = op.call.leaves[k]
+                continue
+            if o.layout != torch.strided:  # a sparse result leaves dtr's care, plain
                 continue
             if keys is None:
                 keys = {v.untyped_storage()._cdata: k for k, v in enumerate(op.vals)}

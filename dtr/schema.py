@@ -23,7 +23,8 @@ class OpFacts:
     writes: frozenset[int]  # schema positions of the arguments the op mutates
     seeded: bool  # draws random numbers: its RNG state is captured and replayed
     generator: int  # schema position of its Generator argument, -1 if none
-    metadata_inplace: bool  # changes its argument's sizes/strides in place
+    metadata_inplace: bool  # changes its argument's storage in place (set_, resize_)
+    view_inplace: object  # for t_, squeeze_, ...: the out-of-place view op, else None
     fresh_returns: bool  # returns at least one tensor that is not a mutated argument
     nreturns: int
     view: bool  # every return aliases an argument it does not write (t, view, split, ...)
@@ -64,6 +65,32 @@ _META_ONLY = {
 
 _METADATA_INPLACE = {"aten::set_", "aten::resize_", "aten::resize_as_", "aten::resize_as_sparse_"}
 
+# In-place ops that change only their argument's sizes and strides, never its data.
+_VIEW_INPLACE = {
+    "aten::as_strided_",
+    "aten::t_",
+    "aten::transpose_",
+    "aten::unsqueeze_",
+    "aten::squeeze_",
+    "aten::swapdims_",
+    "aten::swapaxes_",
+    "aten::detach_",
+}
+
+
+def _out_of_place(func):
+    """The view op an in-place view op stands for: squeeze_.dim -> squeeze.dim."""
+    schema = func._schema
+    packet = getattr(torch.ops.aten, schema.name.split("::")[1][:-1])
+    want = [(a.name, str(a.type)) for a in schema.arguments[1:]]
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        args = candidate._schema.arguments
+        if [(a.name, str(a.type)) for a in args[1:]] == want:
+            return candidate
+    raise LookupError(f"dtr: no out-of-place form of {func}")
+
+
 _CACHE: dict[object, OpFacts] = {}
 
 
@@ -103,7 +130,8 @@ def _compute(func) -> OpFacts:
         writes=writes,
         seeded=torch.Tag.nondeterministic_seeded in tags,
         generator=generator,
-        metadata_inplace=(torch.Tag.inplace_view in tags or schema.name in _METADATA_INPLACE),
+        metadata_inplace=schema.name in _METADATA_INPLACE,
+        view_inplace=_out_of_place(func) if schema.name in _VIEW_INPLACE else None,
         fresh_returns=fresh,
         nreturns=len(schema.returns),
         view=bool(schema.returns)

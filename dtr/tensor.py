@@ -73,6 +73,12 @@ class CheckpointTensor(torch.Tensor):
             layout=like.layout,
             requires_grad=requires_grad,
         )
+        # Lazy conjugation and negation are bits on the tensor, not in its data: the
+        # wrapper must carry the inner value's bits for kernels to see them.
+        if like.is_conj():
+            torch._C._set_conj(t, True)
+        if like.is_neg():
+            torch._C._set_neg(t, True)
         t._dtr_ref = ref
         return t
 

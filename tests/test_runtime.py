@@ -415,3 +415,43 @@ def test_data_attribute_and_requires_grad_leaf(core):
     expected, got, _ = _run(fn, **STRESS)
     for e, g in zip(expected, got):
         assert_bitwise(g, e)
+
+
+def test_in_place_view_ops_and_group_norm(core):
+    def fn():
+        torch.manual_seed(0)
+        gn = nn.GroupNorm(2, 4)
+        x = torch.randn(3, 4, 5, requires_grad=True)
+        z = gn(x * 2).unsqueeze(0).clone()
+        z.squeeze_(0)
+        z.transpose_(0, 2)
+        m = (z[0] * 1).t_()
+        (z.sin().sum() + m.sum()).backward()
+        return [x.grad, gn.weight.grad, z.detach(), m.detach()]
+
+    expected, got, _ = _run(fn, **STRESS)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e)
+
+
+def test_conjugate_bit_is_carried(core):
+    def fn():
+        x = torch.randn(6, dtype=torch.complex64, requires_grad=True)
+        y = (x * 2).conj()
+        z = torch.view_as_real(y.resolve_conj()).sum() + torch.fft.hfft(x * 1).sum()
+        z.backward()
+        return [z.detach(), x.grad]
+
+    expected, got, _ = _run(fn, **STRESS)
+    for e, g in zip(expected, got):
+        assert_bitwise(g, e)
+
+
+def test_sparse_tensors_pass_through_and_mixing_is_a_clear_error(core):
+    s = torch.randn(3, 3).to_sparse()
+    with dtr.enable():
+        assert (s * 2).to_dense().sum().item() == pytest.approx((s.to_dense() * 2).sum().item())
+        w = torch.randn(3, 3, requires_grad=True) * 1
+        assert (w.to_sparse().to_dense() == dtr.materialize(w)).all()
+        with pytest.raises(dtr.UnsupportedError, match="dtr: .*non-strided"):
+            torch.sparse.mm(s, w)
