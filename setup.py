@@ -45,7 +45,20 @@ setup(
     packages=find_packages(include=["dtr", "dtr.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.13", "numpy", "sortedcontainers"],
-    extras_require={"test": ["pytest", "hypothesis", "scipy", "matplotlib"]},
+    extras_require={
+        "test": [
+            "pytest",
+            "hypothesis",
+            "scipy",
+            "matplotlib",
+            "tqdm",
+            "transformers",
+            "accelerate",
+            "nbclient",
+            "nbformat",
+            "ipykernel",
+        ]
+    },
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -4,7 +4,9 @@
    segments and Griewank's optimal binomial reversal (Revolve) with several slot counts,
    each written as an explicit schedule and replayed by the simulator with no budget
    (peak memory, total compute); then DTR replaying the plain chain at each of those
-   peaks. Plot: compute / n against peak memory, one series per method.
+   peaks. Plot: compute / n against peak memory, one series per method. The same on a
+   short chain (n=16) with the optimal static schedule at each of those peaks (Checkmate's
+   MILP, dtr/sim/checkmate.py) as one more series.
 2. Theorem 3.1: with a budget of about 2 sqrt(N) tensors, DTR needs O(N) ops on an N-op
    chain. Total ops / N for N up to 10^4, per heuristic.
 
@@ -19,7 +21,8 @@ import os
 import tempfile
 
 import dtr.sim as sim
-from dtr.sim import chain
+from dtr.plot import memory_vs_compute, ops_per_n
+from dtr.sim import chain, checkmate
 
 from .common import RESULTS, print_table, write_csv
 
@@ -32,24 +35,27 @@ def _replay(path: str, heuristic: str = "dtr", tensors: float | None = None):
     return prog, sim.simulate(prog, heuristic, budget=budget, thrash=0)
 
 
-def baselines(n: int, heuristics: list[str], folder: str) -> list[dict]:
+def baselines(
+    n: int, heuristics: list[str], folder: str, milp_time_limit: float | None = None
+) -> list[dict]:
+    """Each static schedule's (peak, compute), DTR's compute at that peak and, with
+    milp_time_limit, the optimal static schedule's (Checkmate's MILP) at that peak."""
     rows = []
-    plain, _ = _replay(chain.plain(n, os.path.join(folder, "plain.jsonl")))
+    plain_path = chain.plain(n, os.path.join(folder, f"plain{n}.jsonl"))
+    plain, _ = _replay(plain_path)
     base = plain.baseline
+    graph = checkmate.graph_of(plain, max_nodes=10**9) if milp_time_limit else None
     statics = [("chen", chain.chen(n, os.path.join(folder, "chen.jsonl")))]
     for slots in (1, 2, 4, 8, 16, 32):
-        statics.append(
-            (
-                f"binomial s={slots}",
-                chain.binomial(n, os.path.join(folder, f"bin{slots}.jsonl"), slots),
-            )
-        )
+        if slots < n:
+            path = chain.binomial(n, os.path.join(folder, f"bin{slots}.jsonl"), slots)
+            statics.append((f"binomial s={slots}", path))
     for name, path in statics:
         prog, res = _replay(path)
         peak = res.peak_bytes / MB
         rows.append(dict(method=name, peak=peak, compute=prog.baseline / base, status="ok"))
         for heuristic in heuristics:
-            _, d = _replay(os.path.join(folder, "plain.jsonl"), heuristic, peak)
+            _, d = _replay(plain_path, heuristic, peak)
             rows.append(
                 dict(
                     method=f"dtr ({heuristic}) at {name} memory",
@@ -58,7 +64,36 @@ def baselines(n: int, heuristics: list[str], folder: str) -> list[dict]:
                     status=d.status,
                 )
             )
+        if graph is not None:
+            opt = checkmate.solve(graph, res.peak_bytes, time_limit=milp_time_limit)
+            if opt.feasible:
+                checkmate.validate(opt, graph, res.peak_bytes)
+            rows.append(
+                dict(
+                    method=f"checkmate at {name} memory",
+                    peak=peak,
+                    compute=opt.compute / base if opt.feasible else math.nan,
+                    status=opt.status,
+                    gap=opt.gap,
+                )
+            )
     return rows
+
+
+def _series(rows) -> dict[str, list]:
+    """Rows grouped into the plot's lines: a method, or a heuristic at each memory."""
+    out: dict[str, list] = {}
+    for r in rows:
+        method = r["method"]
+        if method.startswith("dtr"):
+            key = "dtr (" + method.split("(")[1].split(")")[0] + ")"
+        elif method.startswith("checkmate"):
+            key = "checkmate MILP (optimal static)"
+        else:
+            key = "chen sqrt(n)" if method == "chen" else "binomial (Revolve)"
+        if not math.isnan(r["compute"]):
+            out.setdefault(key, []).append((r["peak"], r["compute"]))
+    return out
 
 
 def theorem(sizes: list[int], heuristics: list[str], folder: str) -> list[dict]:
@@ -88,57 +123,6 @@ def theorem(sizes: list[int], heuristics: list[str], folder: str) -> list[dict]:
     return rows
 
 
-def _plot_baselines(rows, path):
-    from dtr.plot import _pyplot
-
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    series: dict[str, list] = {}
-    for r in rows:
-        key = (
-            "dtr (" + r["method"].split("(")[1].split(")")[0] + ")"
-            if r["method"].startswith("dtr")
-            else ("chen" if r["method"] == "chen" else "binomial (Revolve)")
-        )
-        if not math.isnan(r["compute"]):
-            series.setdefault(key, []).append((r["peak"], r["compute"]))
-    for key, pts in sorted(series.items()):
-        pts.sort()
-        style = (
-            dict(marker="*", markersize=14, linestyle="none") if key == "chen" else dict(marker="o")
-        )
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key, **style)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("peak memory (tensors)")
-    ax.set_ylabel("total compute / chain without checkpointing")
-    ax.set_title("chain: DTR vs static checkpointing")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _plot_theorem(rows, path):
-    from dtr.plot import _pyplot
-
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for heuristic in sorted({r["heuristic"] for r in rows}):
-        pts = [(r["n"], r["ops_per_n"]) for r in rows if r["heuristic"] == heuristic]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=heuristic)
-    ax.set_xscale("log")
-    ax.set_xlabel("chain length N")
-    ax.set_ylabel("total ops / N at a budget of 2 sqrt(N) tensors")
-    ax.set_title("Theorem 3.1: O(N) ops")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=400, help="chain length for the baselines")
@@ -146,10 +130,15 @@ def main(argv=None) -> None:
         "--sizes", nargs="+", type=int, default=[10, 30, 100, 300, 1000, 3000, 10000]
     )
     parser.add_argument("--heuristics", nargs="+", default=["dtr", "dtr_eq", "lru"])
+    parser.add_argument(
+        "--small", type=int, default=16, help="chain length for the MILP comparison"
+    )
+    parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per MILP")
     args = parser.parse_args(argv)
     os.makedirs(RESULTS, exist_ok=True)
     with tempfile.TemporaryDirectory() as folder:
         base_rows = baselines(args.n, args.heuristics, folder)
+        small_rows = baselines(args.small, args.heuristics, folder, args.time_limit)
         th_rows = theorem(args.sizes, args.heuristics, folder)
     header = ["method", "peak_tensors", "compute_ratio", "status"]
     table = [
@@ -158,7 +147,18 @@ def main(argv=None) -> None:
     print(f"\nchain of n={args.n}: compute relative to the chain without checkpointing")
     print_table(header, table)
     write_csv(os.path.join(RESULTS, "chain_baselines.csv"), header, table)
-    _plot_baselines(base_rows, os.path.join(RESULTS, "chain_baselines.png"))
+    title = f"chain of n={args.n}: DTR vs static checkpointing"
+    memory_vs_compute(_series(base_rows), os.path.join(RESULTS, "chain_baselines.png"), title)
+    header = ["method", "peak_tensors", "compute_ratio", "status", "gap"]
+    table = [
+        [r["method"], f"{r['peak']:.0f}", f"{r['compute']:.3f}", r["status"], _gap(r)]
+        for r in small_rows
+    ]
+    print(f"\nchain of n={args.small}, with the optimal static schedule (Checkmate's MILP)")
+    print_table(header, table)
+    write_csv(os.path.join(RESULTS, "chain_small.csv"), header, table)
+    title = f"chain of n={args.small}: DTR, static checkpointing and the optimum"
+    memory_vs_compute(_series(small_rows), os.path.join(RESULTS, "chain_small.png"), title)
     header = ["n", "budget_tensors", "heuristic", "status", "ops_per_n", "remats", "seconds"]
     table = [
         [
@@ -175,8 +175,17 @@ def main(argv=None) -> None:
     print("\nTheorem 3.1: total ops / N at a budget of ceil(2 sqrt(N)) tensors")
     print_table(header, table)
     write_csv(os.path.join(RESULTS, "chain_theorem.csv"), header, table)
-    _plot_theorem(th_rows, os.path.join(RESULTS, "chain_theorem.png"))
-    print(f"\nwrote {RESULTS}/chain_baselines.csv/.png and chain_theorem.csv/.png")
+    series = {
+        h: [(r["n"], r["ops_per_n"]) for r in th_rows if r["heuristic"] == h]
+        for h in sorted({r["heuristic"] for r in th_rows})
+    }
+    ops_per_n(series, os.path.join(RESULTS, "chain_theorem.png"))
+    print(f"\nwrote chain_baselines, chain_small and chain_theorem .csv/.png in {RESULTS}")
+
+
+def _gap(row) -> str:
+    gap = row.get("gap")
+    return "" if gap is None or math.isnan(gap) else f"{gap:.3f}"
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import argparse
 import math
 import os
 
+from tqdm.auto import tqdm
+
 import dtr
 from dtr.plot import slowdown_vs_budget
 
@@ -77,40 +79,36 @@ def sweep(args) -> list[dict]:
                 status="ok",
             )
         )
-        for heuristic in args.heuristics:
-            for ratio in args.ratios:
-                budget = int(peak * ratio)
-                run = timed_steps(
-                    name,
-                    scale,
-                    args.steps,
-                    args.warmup,
-                    {"budget": budget, "heuristic": heuristic, "cost_model": args.cost_model},
-                    args.optimizer,
+        # an infeasible point is a row with its error as status, never a crash
+        points = [(h, r) for h in args.heuristics for r in args.ratios]
+        for heuristic, ratio in tqdm(points, desc=name, unit="run", leave=False):
+            budget = int(peak * ratio)
+            run = timed_steps(
+                name,
+                scale,
+                args.steps,
+                args.warmup,
+                {"budget": budget, "heuristic": heuristic, "cost_model": args.cost_model},
+                args.optimizer,
+            )
+            ok = not run.error
+            rows.append(
+                dict(
+                    model=name,
+                    heuristic=heuristic,
+                    ratio=ratio,
+                    budget=budget,
+                    slowdown=run.median / eager.median if ok else math.nan,
+                    evictions=run.stats.evictions if ok else None,
+                    remats=run.stats.remats if ok else None,
+                    peak=run.stats.peak_resident_bytes if ok else None,
+                    status="ok" if ok else run.error,
                 )
-                ok = not run.error
-                rows.append(
-                    dict(
-                        model=name,
-                        heuristic=heuristic,
-                        ratio=ratio,
-                        budget=budget,
-                        slowdown=run.median / eager.median if ok else math.nan,
-                        evictions=run.stats.evictions if ok else None,
-                        remats=run.stats.remats if ok else None,
-                        peak=run.stats.peak_resident_bytes if ok else None,
-                        status="ok" if ok else run.error,
-                    )
-                )
-                print(
-                    f"  {heuristic:>9} {ratio:.2f}: "
-                    + (
-                        f"{rows[-1]['slowdown']:.3f}x, {run.stats.remats} remats"
-                        if ok
-                        else run.error
-                    ),
-                    flush=True,
-                )
+            )
+            tqdm.write(
+                f"  {heuristic:>9} {ratio:.2f}: "
+                + (f"{rows[-1]['slowdown']:.3f}x, {run.stats.remats} remats" if ok else run.error)
+            )
     return rows
 
 

@@ -26,7 +26,7 @@ from dtr.plot import overhead_vs_budget
 from .common import RESULTS, print_table, write_csv
 from .harness import train
 
-RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(20))
+RATIOS = sim.SWEEP_RATIOS
 
 # What the paper's own simulator reached on these traces (issue 3, measured by running
 # it): smallest feasible ratio on the 0.05 grid for h_DTR / h_DTR^eq / h_MSPS, and the
@@ -80,10 +80,8 @@ def sweep(traces, heuristics, ratios, engine: str) -> list[dict]:
     for label, path in traces:
         prog = sim.load(path)
         start = time.perf_counter()
-        for heuristic in heuristics:
-            for ratio in ratios:
-                res = sim.simulate(prog, heuristic, ratio=ratio, engine=engine)
-                rows.append(dict(trace=label, heuristic=heuristic, ratio=ratio, **res.as_dict()))
+        for row in sim.sweep(prog, heuristics, ratios, progress=True, engine=engine):
+            rows.append(dict(trace=label, **row))
         print(
             f"{label}: {len(heuristics) * len(ratios)} runs of {prog.ops} ops in "
             f"{time.perf_counter() - start:.1f} s",

@@ -1,6 +1,7 @@
 // See replay.h. Every step mirrors the method of the same name in dtr/sim/driver.py.
 #include "replay.h"
 
+#include <algorithm>
 #include <limits>
 #include <stdexcept>
 #include <vector>
@@ -152,11 +153,20 @@ class Replayer {
     todo.insert(todo.end(), desc.begin(), desc.end());
     std::vector<int64_t> held;
     try {
-      for (int64_t t : todo) {
-        if (core_.ext(t) > 0 && !core_.is_materialized(t) && !core_.is_constant(t)) {
-          core_.lock(t);
-          held.push_back(t);
-          materialize(t);
+      // Until every held tensor is resident: rebuilding one may evict another that was
+      // resident when it was checked (dtr/protocol.py's twin, same calls in order).
+      bool again = true;
+      while (again) {
+        again = false;
+        for (int64_t t : todo) {
+          if (core_.ext(t) > 0 && !core_.is_materialized(t) && !core_.is_constant(t)) {
+            if (std::find(held.begin(), held.end(), t) != held.end())
+              throw std::logic_error("dtr: locked tensor " + std::to_string(t) + " was evicted");
+            core_.lock(t);
+            held.push_back(t);
+            materialize(t);
+            again = true;
+          }
         }
       }
       for (int64_t t : todo) core_.pin(t);

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from ._pycore import HEURISTICS
 from .cost import COST_MODELS
+from .device import total_memory_bytes
 from .errors import ConfigError
 from .units import ACCEPTED, parse_bytes
 
@@ -23,6 +24,7 @@ ENV_STRESS = "DTR_STRESS"
 ENV_DEBUG = "DTR_DEBUG"
 ENV_COST_MODEL = "DTR_COST_MODEL"
 ENV_TRACE = "DTR_TRACE"
+ENV_LOG_STEPS = "DTR_LOG_STEPS"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -42,6 +44,9 @@ class DTRConfig:
         force_python: use the pure-Python core even when the C++ one is built.
         cost_model: "time" (measured wall time) or "roofline" (deterministic estimate).
         trace: path of an operator trace to write (see dtr.trace), or None.
+        timeline: how many op boundaries to keep in session.timeline() (the newest);
+            0 records none.
+        log_steps: log a one-line summary per optimizer step to the "dtr" logger.
     """
 
     budget_bytes: int | None = None
@@ -53,6 +58,8 @@ class DTRConfig:
     force_python: bool = False
     cost_model: str = "time"
     trace: str | None = None
+    timeline: int = 0
+    log_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and (
@@ -69,20 +76,39 @@ class DTRConfig:
             )
         if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
             raise ConfigError(f"dtr: trace must be a file path, got {self.trace!r}")
+        if self.trace is not None:
+            # Checked here, not when the session opens the file: bad input fails at
+            # enable() time, as a ConfigError.
+            folder = os.path.dirname(os.path.abspath(self.trace))
+            if not os.path.isdir(folder):
+                raise ConfigError(
+                    f"dtr: trace {self.trace!r} (option trace or {ENV_TRACE}): folder "
+                    f"{folder!r} does not exist; give a file path in an existing folder"
+                )
         if self.cost_model not in COST_MODELS:
             raise ConfigError(
                 f"dtr: unknown cost_model {self.cost_model!r}; valid: {', '.join(COST_MODELS)}"
             )
-        for name in ("stress", "check", "force_python"):
+        for name in ("stress", "check", "force_python", "log_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"dtr: option {name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("seed", "min_evict_bytes"):
+        for name in ("seed", "min_evict_bytes", "timeline"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"dtr: option {name} must be an int >= 0, got {value!r}")
 
 
-OPTIONS = ("stress", "seed", "min_evict_bytes", "check", "cost_model", "trace")
+OPTIONS = (
+    "stress",
+    "seed",
+    "min_evict_bytes",
+    "check",
+    "cost_model",
+    "trace",
+    "timeline",
+    "log_steps",
+)
+TIMELINE_DEFAULT = 1_000_000  # timeline=True: ~100 MB of Python objects at most
 
 
 def parse_budget(value: object, source: str = "budget") -> int | None:
@@ -90,9 +116,23 @@ def parse_budget(value: object, source: str = "budget") -> int | None:
     if value is None:
         return None
     try:
+        if isinstance(value, str) and value.strip().endswith("%"):
+            return _percent_of_device(value)
         return parse_bytes(value)
     except ValueError as exc:
         raise ConfigError(f"dtr: invalid {source} {value!r} ({exc}); expected {ACCEPTED}") from None
+
+
+def _percent_of_device(value: str) -> int:
+    """'80%': that fraction of the device's total memory (dtr.device)."""
+    try:
+        percent = float(value.strip()[:-1])
+    except ValueError:
+        raise ValueError("not a number before '%'") from None
+    if not 0 < percent <= 100:  # NaN fails this too
+        raise ValueError("a percentage must be in (0, 100]")
+    total, _ = total_memory_bytes()
+    return parse_bytes(int(total * percent / 100))
 
 
 def _env_flag(env: Mapping[str, str], name: str) -> bool | None:
@@ -152,13 +192,28 @@ def resolve(
     cost_model = options.get("cost_model")
     if cost_model is None:
         cost_model = env.get(ENV_COST_MODEL, "").strip() or "time"
+        if cost_model not in COST_MODELS:  # name the variable, as for the others
+            raise ConfigError(
+                f"dtr: unknown cost_model {cost_model!r} in {ENV_COST_MODEL}; "
+                f"valid: {', '.join(COST_MODELS)}"
+            )
     trace = options.get("trace")
     if trace is None:
         trace = env.get(ENV_TRACE, "").strip() or None
     elif hasattr(trace, "__fspath__"):
         trace = str(trace)
+    log_steps = options.get("log_steps")
+    if log_steps is None:
+        log_steps = bool(_env_flag(env, ENV_LOG_STEPS))
+    timeline = options.get("timeline", 0)
+    if timeline is True:
+        timeline = TIMELINE_DEFAULT
+    elif timeline is False:
+        timeline = 0
     return DTRConfig(
         budget_bytes=budget_bytes,
+        timeline=timeline,
+        log_steps=log_steps,
         cost_model=cost_model,
         trace=trace,
         heuristic=heuristic,

@@ -9,6 +9,8 @@ with the Python driver.
 
 from __future__ import annotations
 
+from .errors import InternalError
+
 
 class Driver:
     """Base of ``dtr.runtime.Runtime`` and ``dtr.sim.driver.Replay``. Subclasses say how
@@ -64,11 +66,22 @@ class Driver:
         todo = list(seeds) + core.descendants(seeds)
         held: list[int] = []
         try:
-            for t in todo:
-                if core.ext(t) > 0 and not core.is_materialized(t) and not core.is_constant(t):
-                    core.lock(t)
-                    held.append(t)
-                    self.rematerialize(t)
+            # Until every held tensor is resident: rebuilding one may evict another that
+            # was resident when it was checked (it was not locked then), and a held
+            # tensor must be materialized before it is pinned. Each extra pass locks at
+            # least one more tensor, so this ends; with no such eviction it is one pass
+            # and the core sees the same calls as before (csrc/replay.cpp's twin).
+            again = True
+            while again:
+                again = False
+                for t in todo:
+                    if core.ext(t) > 0 and not core.is_materialized(t) and not core.is_constant(t):
+                        if t in held:
+                            raise InternalError(f"dtr: locked tensor {t} was evicted")
+                        core.lock(t)
+                        held.append(t)
+                        self.rematerialize(t)
+                        again = True
             for t in todo:
                 core.pin(t)
         finally:

@@ -12,6 +12,7 @@ import torch
 
 from . import rng
 from .call import substitute
+from .errors import UnsupportedError
 from .tensor import Node
 
 # An output spec is (return index, list index) for a tensor the op returned, or
@@ -49,22 +50,30 @@ class Recipe:
         self.grad = grad  # some kernels behave differently with grad mode on (mkldnn RNNs)
         self.outputs: list[Node] = []  # aligned with the core's outputs of this recipe
 
-    def replay(self, stolen=()) -> list[torch.Tensor]:
+    def replay(self, stolen=(), call=None) -> list[torch.Tensor]:
         """Run the op again on the current values of its inputs; returns the values of
         its outputs in core order. The caller has materialized and locked the inputs.
         Outputs listed in stolen are computed in place in their old version's storage
-        (the core allowed it); other written arguments are copied first (Invariant 4)."""
+        (the core allowed it); other written arguments are copied first (Invariant 4).
+        call(func, args, kwargs, retry) runs the op, when given."""
         vals = [
             x.value if type(x) is Node else x.get() if type(x) is StandIn else x
             for x in self.inputs
         ]
+        for x in self.inputs:
+            if isinstance(x, torch.Tensor) and x.numel() and not x.untyped_storage().nbytes():
+                raise _freed(self.facts.name, x)
         in_place = {self.specs[k][1] for k in stolen}
         for k in self.clone:
             if k not in in_place:
                 vals[k] = copy_preserving_layout(vals[k])
         args, kwargs = substitute(self.args, self.kwargs, self.where, vals)
         with rng.replaying(self.rng), torch.set_grad_enabled(self.grad):
-            out = self.func(*args, **kwargs)
+            if call is None:
+                out = self.func(*args, **kwargs)
+            else:  # the runtime's: evict and retry on an allocator out-of-memory, unless
+                # the op writes in place into an input's own storage (a stolen one)
+                out = call(self.func, args, kwargs, not in_place, self.rng)
         rets = (out,) if self.facts.nreturns == 1 else out
         produced = []
         for i, j in self.specs:
@@ -73,6 +82,20 @@ class Recipe:
             else:
                 produced.append(rets[i] if j < 0 else rets[i][j])
         return produced
+
+
+def _freed(name: str, t: torch.Tensor) -> UnsupportedError:
+    # A plain tensor's storage can be freed without any op reaching dtr
+    # (untyped_storage().resize_(0)); FSDP2 does this to unsharded parameters after
+    # each forward and backward. Replaying would fail deep in a kernel with an error
+    # that does not say why.
+    return UnsupportedError(
+        f"dtr: cannot recompute {name}: it reads a plain tensor of shape {list(t.shape)} "
+        "whose storage has since been freed outside dtr's view (storage resize_(0), as "
+        "FSDP2's fully_shard does to unsharded parameters). Keep such code out of "
+        "dtr.enable(), or run without a budget; see dtr/NOTES.md, 'Composing with DDP "
+        "and FSDP'"
+    )
 
 
 class StandIn:

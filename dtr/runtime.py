@@ -14,9 +14,10 @@ import threading
 import time
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import cost as _cost
-from . import rng
+from . import oom, rng
 from ._core import make_core
 from ._pycore import NEW, VERSION, VIEW
 from .call import Call, rebuild_returns, returns_of, substitute
@@ -25,7 +26,9 @@ from .errors import BudgetError, DTRError, InternalError, UnsupportedError
 from .protocol import Driver
 from .recipe import VERSION_SPEC, Recipe, StandIn, copy_preserving_layout
 from .schema import OpFacts, op_facts
+from .steps import StepTracker
 from .tensor import CheckpointTensor, Node, Ref
+from .timeline import Recorder
 from .trace import TraceWriter
 from .units import format_bytes
 
@@ -95,13 +98,32 @@ class Runtime(Driver):
         self.lock = threading.RLock()
         self.is_open = True
         self.recompute_seconds = 0.0
+        self.oom_retries = 0
         self.model_cost = config.cost_model == "roofline"
         self._token = object()
         self.trace = TraceWriter(config.trace, config) if config.trace else None
+        self.timeline = Recorder(config.timeline) if config.timeline else None
+        # the session's peak_bytes and max_bytes before the last take_step_peak()
+        self.peak_carry = self.max_carry = 0
+        # (peak, max transient) when close() lifted the budget: materializing what the
+        # program holds at the end is not an op boundary and must not count.
+        self.closing_peaks: tuple[int, int] | None = None
+        self._stealing: tuple[Recipe, list[int]] | None = None  # see rematerialize()
+        self.steps = StepTracker(self)
+        if config.log_steps:
+            # A step ends at every optimizer.step() while the session is open.
+            self.hooks.append(
+                register_optimizer_step_post_hook(lambda *_: self._end_step_from_hook())
+            )
 
     # ================================================================== entry
     def handle(self, func, args: tuple, kwargs: dict):
         with self.lock:
+            if not self.is_open:
+                # Another thread's op waited for the lock while the block ended: the
+                # wrappers are plain tensors now, and a closed runtime must not record
+                # (stress mode would evict values that nothing can recompute any more).
+                return dispatch_without_mode(func, args, kwargs)
             if self.pending_refs:
                 self._flush()
             facts = op_facts(func)
@@ -122,6 +144,8 @@ class Runtime(Driver):
                         "dtr.materialize() the managed tensor first"
                     )
                 return func(*args, **kwargs)
+            if managed and facts.collective:
+                return self._run_collective(func, facts, call)
             special = _SPECIAL.get(func)
             if special is not None:
                 return special(self, func, facts, call, managed)
@@ -181,9 +205,11 @@ class Runtime(Driver):
                 op.extra.append(self._constant(op.captured[1], op.fresh))
             real_args, real_kwargs = substitute(call.args, call.kwargs, call.where, op.vals)
             start = _perf()
-            out = func(*real_args, **real_kwargs)
+            out = self.call(func, real_args, real_kwargs, not op.written, op.captured)
             op.cost = _perf() - start
-            if self.model_cost:
+            if self.model_cost or _device_of(call.leaves).type != "cpu":
+                # On an accelerator the wall time around an asynchronous kernel is its
+                # launch only, so the deterministic model stands in (dtr/cost.py).
                 op.cost = _cost.roofline(func, real_args, real_kwargs, out)
             result, protect = self._record(op, out)
             recorded = True
@@ -196,6 +222,20 @@ class Runtime(Driver):
                 core.release(tid)
         self._settle(protect, func)
         return result
+
+    def _run_collective(self, func, facts: OpFacts, call: Call):
+        """dist.all_reduce(t) and kin on managed tensors (a loss averaged for logging).
+        No rank can rerun a collective alone, and c10d's write their tensors in place,
+        asynchronously: the managed arguments are handed out as plain tensors, as
+        dtr.materialize does (resident and pinned from now on; the wrappers read them),
+        then the op runs as on plain tensors and returns plain tensors."""
+        values = [
+            self.export(t._dtr_ref) if isinstance(t, CheckpointTensor) else t for t in call.leaves
+        ]
+        args, kwargs = substitute(call.args, call.kwargs, call.where, values)
+        if facts.writes:
+            self._writes_to_plain(Call(facts, args, kwargs), facts.writes)
+        return func(*args, **kwargs)
 
     def _run_view_inplace(self, func, facts: OpFacts, call: Call):
         """x.squeeze_(), x.t_(), ...: x becomes a view of what it was. Its data does not
@@ -300,8 +340,8 @@ class Runtime(Driver):
             if k >= 0:  # an in-place op returned its argument
                 replacements[(i, j)] = op.call.leaves[k]
                 continue
-            if o.layout != torch.strided:  # a sparse result leaves dtr's care, plain
-                continue
+            if o.layout != torch.strided or i in op.facts.plain_returns:
+                continue  # a sparse result, or metadata kernels read: stays plain
             if keys is None:
                 keys = {v.untyped_storage()._cdata: k for k, v in enumerate(op.vals)}
             src = keys.get(o.untyped_storage()._cdata, -1)
@@ -387,6 +427,7 @@ class Runtime(Driver):
         """Op boundary: evict until resident bytes fit the budget (Invariant 6). The
         op's own outputs are protected while choosing victims."""
         core = self.core
+        before = core.resident_bytes
         for tid in fresh:
             core.lock(tid)
         try:
@@ -401,8 +442,34 @@ class Runtime(Driver):
         if self.config.stress:
             core.evict_all()
         self.drain()
+        if self.timeline is not None:
+            self.timeline.add(core, str(func), torch._C._current_graph_task_id() != -1, before)
         if self.config.check:
             core.check()
+
+    # ================================================================== steps
+    def take_step_peak(self) -> int:
+        """The peak since the last step ended; the session's peak is kept in peak_carry."""
+        peak = self.core.peak_bytes
+        self.peak_carry = max(self.peak_carry, peak)
+        self.max_carry = max(self.max_carry, self.core.max_bytes)
+        self.core.reset_peak()
+        return peak
+
+    def session_peak(self) -> int:
+        if self.closing_peaks is not None:
+            return self.closing_peaks[0]
+        return max(self.peak_carry, self.core.peak_bytes)
+
+    def transient_peak(self) -> int:
+        if self.closing_peaks is not None:
+            return self.closing_peaks[1]
+        return max(self.max_carry, self.core.max_bytes)
+
+    def _end_step_from_hook(self) -> None:
+        if self.is_open:
+            with self.lock:
+                self.steps.end()
 
     # ================================================================== values
     def _value(self, node: Node) -> torch.Tensor:
@@ -415,10 +482,40 @@ class Runtime(Driver):
         return value
 
     # Driver hooks (dtr/protocol.py): rematerialize() and invalidate() come from there.
+    def rematerialize(self, tid: int) -> None:
+        self._stealing = None
+        try:
+            super().rematerialize(tid)
+        except BaseException:
+            if self._stealing is not None:
+                self._after_interrupted_steal()
+            raise
+
+    def _after_interrupted_steal(self) -> None:
+        """A rerun that writes into the storage of the version it updates (core.steals)
+        was interrupted (a KeyboardInterrupt) before remat_done told the core: the core
+        may still count that old version as resident though its storage now holds the
+        new value, and a second rerun would apply the op twice. Evict everything that
+        can be recomputed, the old version included, and forget values the core does
+        not count, so that no value is read as another."""
+        rec, stolen = self._stealing
+        self._stealing = None
+        core = self.core
+        olds = [rec.inputs[rec.specs[k][1]] for k in stolen]
+        if not any(n.tid >= 0 and core.is_materialized(n.tid) for n in olds):
+            return  # remat_done ran: the core knows
+        core.evict_all()
+        self.drain()
+        for node in rec.outputs:
+            if node.tid >= 0 and not core.is_materialized(node.tid):
+                node.value = None
+
     def rerun(self, rid: int, stolen: list[int]) -> list[int]:
         rec = self.recipes[rid]
+        if stolen:
+            self._stealing = (rec, stolen)
         start = _perf()
-        values = rec.replay(stolen)
+        values = rec.replay(stolen, call=self.call)
         self.recompute_seconds += _perf() - start
         nbytes = []
         for node, value in zip(rec.outputs, values):
@@ -426,6 +523,40 @@ class Runtime(Driver):
                 node.value = value
             nbytes.append(value.untyped_storage().nbytes())
         return nbytes
+
+    # ================================================================== allocator OOM
+    def call(self, func, args, kwargs, retry: bool, rng=None):
+        """func(*args, **kwargs), evicting and retrying when the allocator runs out of
+        memory (dtr/oom.py); retry=False for ops that write to an argument; rng: the
+        captured (generator, state) of a random op."""
+        return oom.call_with_retry(
+            func,
+            args,
+            kwargs,
+            retry,
+            self._evict_after_oom,
+            lambda exc, retried: BudgetError(oom.oom_message(func, exc, retried, self.core)),
+            rng,
+        )
+
+    def _evict_after_oom(self, exc: BaseException) -> int:
+        """Evict at least what the allocator asked for, and at least an eighth of the
+        resident bytes (so a failing op converges in a few rounds); returns bytes freed.
+        The running op's inputs are locked, so they stay."""
+        core = self.core
+        before = core.resident_bytes
+        want = max(oom.requested_bytes(exc), before // 8, 1)
+        saved = core.budget
+        core.budget = max(0, before - want)
+        try:
+            core.make_room(0)
+        finally:
+            core.budget = saved
+        self.drain()
+        freed = before - core.resident_bytes
+        if freed > 0:
+            self.oom_retries += 1
+        return freed
 
     def out_of_budget(self, rid: int, need: int) -> Exception:
         return self._budget_error(need, f"recomputing {self.recipes[rid].facts.name}")
@@ -495,6 +626,8 @@ class Runtime(Driver):
         pool is pinned: a storage the program can write to behind dtr's back must not be
         evicted or recomputed."""
         with self.lock, internal():
+            if not self.is_open:  # the block ended while this thread waited
+                return materialize_ref(ref)
             node = ref.node
             if self.trace is not None:
                 self.trace.export(node.label)
@@ -513,6 +646,8 @@ class Runtime(Driver):
     def read(self, ref: Ref) -> torch.Tensor:
         """The value of a managed tensor, for reading it at once (repr, tolist)."""
         with self.lock, internal():
+            if not self.is_open:  # the block ended while this thread waited
+                return materialize_ref(ref)
             if self.pending_refs:
                 self._flush()
             node = ref.node
@@ -595,21 +730,18 @@ class Runtime(Driver):
     def close(self) -> None:
         """End of the block: materialize everything the program still holds, so that it
         reads back correctly afterwards, then forget all lineage."""
+        interrupted = None
         with self.lock, internal():
             try:
-                self._flush()
-                if self.trace is not None:
-                    self.trace.close()
-                self.core.budget = -1
-                for tid in self.core.alive():
-                    node = self.nodes[tid]
-                    if node is not None and node.value is None:
-                        self.core.lock(tid)
-                        try:
-                            self.rematerialize(tid)
-                        finally:
-                            self.core.unlock(tid)
-                self.drain()
+                while True:
+                    try:
+                        self._materialize_held()
+                        break
+                    except KeyboardInterrupt as exc:
+                        # Finish first (the work is bounded: one recomputation of what
+                        # is evicted), then re-raise: a Ctrl-C here must not leave the
+                        # program holding tensors it can never read.
+                        interrupted = exc
             finally:
                 self.is_open = False
                 if self.trace is not None:
@@ -623,6 +755,32 @@ class Runtime(Driver):
                 self.escaped_keys.clear()
                 self.pending_refs.clear()
                 self.recipes = []
+        if interrupted is not None:
+            raise interrupted
+
+    def _materialize_held(self) -> None:
+        """close(): every value the program holds made resident, the budget lifted.
+        Safe to call again after an interruption."""
+        self._flush()
+        # An exception (a KeyboardInterrupt) between an eviction and the drain that
+        # mirrors it must not leave values the core counts as evicted looking resident
+        # here: they would be skipped below and dropped by the last drain, and the
+        # program could not read them afterwards.
+        self.drain()
+        if self.trace is not None:
+            self.trace.close()
+        if self.closing_peaks is None:
+            self.closing_peaks = (self.session_peak(), self.transient_peak())
+        self.core.budget = -1
+        for tid in self.core.alive():
+            node = self.nodes[tid] if tid < len(self.nodes) else None
+            if node is not None and node.value is None:
+                self.core.lock(tid)
+                try:
+                    self.rematerialize(tid)
+                finally:
+                    self.core.unlock(tid)
+        self.drain()
 
 
 def _wants_management(call: Call) -> bool:

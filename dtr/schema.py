@@ -30,6 +30,8 @@ class OpFacts:
     view: bool  # every return aliases an argument it does not write (t, view, split, ...)
     meta_only: bool  # reads only the sizes/strides/dtype of its tensors (empty_like, ...)
     hidden_writes: Callable[[list], tuple[int, ...]] | None
+    plain_returns: frozenset[int]  # returns left plain tensors (see _PLAIN_RETURNS)
+    collective: bool  # a torch.distributed collective: never recorded (see _COLLECTIVES)
 
 
 def _bn_writes(vals: list) -> tuple[int, ...]:
@@ -45,6 +47,17 @@ _HIDDEN_WRITES: dict[str, Callable[[list], tuple[int, ...]]] = {
     "aten::cudnn_batch_norm": _bn_writes,
     "aten::miopen_batch_norm": _bn_writes,
 }
+
+# Returns that stay plain tensors: metadata that C++ composite kernels read through
+# data_ptr() before any dispatch, which a wrapper (no storage) cannot serve. A packed
+# sequence's batch_sizes is read so by lstm.data, gru.data and the rnn_*.data ops (it
+# depends only on the lengths, a plain tensor, so no lineage is lost).
+_PLAIN_RETURNS = {"aten::_pack_padded_sequence": frozenset({1})}
+
+# Collectives: the other ranks take part, so no rank can rerun one alone, and c10d's
+# in-place ones (allreduce_, broadcast_, allgather_, ...) write their tensors without a
+# (a!) in their schemas (``allreduce_(Tensor[] tensors, ...)``), asynchronously.
+_COLLECTIVES = {"c10d", "_c10d_functional"}
 
 # Ops that read nothing but their tensor arguments' metadata. Their recipes depend on no
 # value, so recomputing an ``empty_like(x)`` never recomputes x (dropout's mask starts so).
@@ -117,6 +130,9 @@ def _compute(func) -> OpFacts:
         ),
         -1,
     )
+    namespace = schema.name.split("::")[0]
+    if namespace == "c10d":  # in-place collectives: every tensor argument may be written
+        writes = frozenset(i for i, a in enumerate(schema.arguments) if "Tensor" in str(a.type))
     tags = getattr(func, "tags", ())
     fresh = any(
         r.alias_info is None or not r.alias_info.is_write
@@ -138,4 +154,6 @@ def _compute(func) -> OpFacts:
         and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns),
         meta_only=schema.name in _META_ONLY and "device" in names,
         hidden_writes=_HIDDEN_WRITES.get(schema.name),
+        plain_returns=_PLAIN_RETURNS.get(schema.name, frozenset()),
+        collective=namespace in _COLLECTIVES,
     )

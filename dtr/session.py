@@ -11,7 +11,9 @@ from .config import DTRConfig, resolve
 from .errors import DTRError
 from .runtime import Runtime
 from .stats import Stats, collect
+from .steps import StepStats
 from .tensor import CheckpointTensor
+from .timeline import Timeline
 
 _active_lock = threading.Lock()
 _active: Session | None = None
@@ -37,11 +39,21 @@ class Session:
         self._runtime: Runtime | None = None
         self._mode: _Mode | None = None
         self._final: Stats | None = None
+        self._final_timeline: Timeline | None = None
+        self._final_steps: list[StepStats] = []
+        self._thread: threading.Thread | None = None  # the thread that entered it
 
     def __enter__(self) -> Session:
         global _active
         with _active_lock:
             if _active is not None:
+                if _active._thread is not threading.current_thread():
+                    raise DTRError(
+                        "dtr: dtr.enable() is already active on thread "
+                        f"{_active._thread.name!r}; concurrent sessions are not supported "
+                        "(one per process). Use that session's tensors from this thread "
+                        "(dtr serves them under its lock), or enter a session once it ended."
+                    )
                 raise DTRError(
                     "dtr: dtr.enable() is already active; nested or concurrent sessions are "
                     "not supported. End the outer block first, or change its budget with "
@@ -54,22 +66,31 @@ class Session:
             self._runtime = Runtime(self.config)
             self._mode = _Mode(self._runtime)
             self._mode.__enter__()
+            self._thread = threading.current_thread()
             _active = self
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         global _active
         try:
-            self._mode.__exit__(exc_type, exc, tb)
-        finally:
             try:
-                self._runtime.close()
+                self._mode.__exit__(exc_type, exc, tb)
             finally:
-                self._final = collect(self._runtime)
-                self._runtime = None
-                self._mode = None
-                with _active_lock:
-                    _active = None
+                try:
+                    self._runtime.close()
+                finally:
+                    rt = self._runtime
+                    self._final = collect(rt)
+                    self._final_steps = rt.steps.history
+                    if rt.timeline is not None:
+                        self._final_timeline = rt.timeline.snapshot(rt.config.budget_bytes)
+        finally:
+            # Even if the above failed (a KeyboardInterrupt can land anywhere in it), the
+            # session must end: else every later dtr.enable() is refused as nested.
+            self._runtime = None
+            self._mode = None
+            with _active_lock:
+                _active = None
 
     @property
     def active(self) -> bool:
@@ -91,7 +112,43 @@ class Session:
         if self._runtime is None:
             raise DTRError("dtr: reset_peak() needs an active session")
         with self._runtime.lock:
+            self._runtime.peak_carry = self._runtime.max_carry = 0
             self._runtime.core.reset_peak()
+
+    def end_step(self) -> StepStats:
+        """Close a training step: returns (and logs at INFO to the "dtr" logger) what dtr
+        did since the previous one. With ``log_steps=True`` every optimizer.step() does
+        this already; call it yourself for hand-written updates or several optimizers."""
+        if self._runtime is None:
+            raise DTRError("dtr: end_step() needs an active session")
+        with self._runtime.lock:
+            return self._runtime.steps.end()
+
+    def steps(self) -> list[StepStats]:
+        """Every step closed so far, oldest first (see :meth:`end_step`)."""
+        if self._runtime is not None:
+            with self._runtime.lock:
+                return list(self._runtime.steps.history)
+        return list(self._final_steps)
+
+    def timeline(self) -> Timeline:
+        """Resident bytes at each op boundary, with evictions and remats (needs
+        ``dtr.enable(..., timeline=True)``); plot it with dtr.plot.memory_timeline."""
+        rt = self._runtime
+        if rt is not None:
+            if rt.timeline is None:
+                raise DTRError(
+                    "dtr: this session records no timeline; pass dtr.enable(..., timeline=True)"
+                )
+            with rt.lock:
+                return rt.timeline.snapshot(rt.config.budget_bytes)
+        if self._final_timeline is None:
+            raise DTRError(
+                "dtr: this session recorded no timeline (pass dtr.enable(..., timeline=True))"
+                if self._final is not None
+                else "dtr: this session has not been entered yet; use it in a `with` statement"
+            )
+        return self._final_timeline
 
     def set_budget(self, budget) -> None:
         """Change the budget inside the block (bytes, or a string such as '2GiB';
@@ -127,7 +184,10 @@ def enable(budget: object = None, heuristic: str | None = None, **options) -> Se
             random heuristic; ``min_evict_bytes`` never evicts smaller pools;
             ``check=True`` verifies the core's invariants after every op;
             ``cost_model="roofline"`` makes eviction decisions deterministic (default
-            "time": measured wall time).
+            "time": measured wall time); ``trace="run.jsonl"`` records every op for
+            the simulator (dtr.sim); ``timeline=True`` keeps resident bytes per op for
+            :meth:`Session.timeline`; ``log_steps=True`` logs a summary per
+            optimizer step (:meth:`Session.end_step`).
 
     Returns:
         A :class:`Session`; enter it with ``with``.

@@ -28,6 +28,7 @@ class Stats:
             lineage was cut by an in-place update).
         constant_bytes: bytes of plain tensors the managed ops read (parameters, inputs).
         core: "c++" or "python".
+        oom_retries: ops rerun after the allocator ran out of memory and dtr evicted.
     """
 
     budget_bytes: int | None
@@ -43,6 +44,7 @@ class Stats:
     pinned_bytes: int
     constant_bytes: int
     core: str
+    oom_retries: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -70,10 +72,11 @@ def collect(rt) -> Stats:
         eager_evictions=core.eager_evictions,
         remats=core.remats,
         recompute_seconds=rt.recompute_seconds,
-        peak_resident_bytes=core.peak_bytes,
-        max_transient_bytes=core.max_bytes,
+        peak_resident_bytes=rt.session_peak(),
+        max_transient_bytes=rt.transient_peak(),
         resident_bytes=core.resident_bytes,
         pinned_bytes=core.pinned_bytes(),
         constant_bytes=core.constant_bytes(),
         core=rt.core_kind,
+        oom_retries=rt.oom_retries,
     )

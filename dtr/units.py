@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 _UNITS = {
     "b": 1,
@@ -17,10 +18,11 @@ _UNITS = {
     "tib": 2**40,
 }
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE](\d+))?\s*([a-zA-Z]*)\s*$")
+MAX_BYTES = 2**63 - 1
 ACCEPTED = (
     "a positive number of bytes (int), or a string such as '800000B', '512MB', "
     "'1.5GiB' (units B, KB, MB, GB, TB in powers of 1000; KiB, MiB, GiB, TiB in "
-    "powers of 1024)"
+    "powers of 1024), or a percentage of the device's memory such as '80%'"
 )
 
 
@@ -42,12 +44,17 @@ def parse_bytes(value: object) -> int:
         scale = _UNITS.get(unit.lower() if unit else "b")
         if scale is None:
             raise ValueError(f"unknown unit {unit!r}")
-        amount = float(number) * (10 ** int(exponent) if exponent else 1)
+        if exponent and int(exponent) > 30:  # 10**huge would take forever to build
+            raise ValueError(f"more than {MAX_BYTES} bytes")
+        # Exact arithmetic: in floats "8.2MB" is 8199999 bytes, and "1e400" overflows.
+        amount = Fraction(number) * (10 ** int(exponent) if exponent else 1)
         nbytes = math.floor(amount * scale)
     else:
         raise ValueError(f"a {type(value).__name__} is not a byte count")
     if nbytes <= 0:
         raise ValueError("must be at least one byte")
+    if nbytes > MAX_BYTES:  # the C++ core counts bytes in an int64
+        raise ValueError(f"more than {MAX_BYTES} bytes")
     return nbytes
 
 

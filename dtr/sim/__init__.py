@@ -20,7 +20,19 @@ from . import program
 from .driver import Result, replay
 from .parse import TraceError, load
 
-__all__ = ["HEURISTICS", "Result", "TraceError", "load", "peak", "simulate", "PROTOTYPE_DIR"]
+__all__ = [
+    "HEURISTICS",
+    "PROTOTYPE_DIR",
+    "SWEEP_RATIOS",
+    "Result",
+    "TraceError",
+    "load",
+    "peak",
+    "simulate",
+    "sweep",
+]
+
+SWEEP_RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(20))  # 1.0 .. 0.05
 
 # The DTR prototype's published traces (never copied into this repository).
 PROTOTYPE_DIR = os.path.normpath(
@@ -91,3 +103,26 @@ def _cpp_replay(prog, core, stress, thrash, log) -> Result:
         prog.code, prog.costs, prog.nslots, prog.mode, stress, thrash, prog.baseline, log
     )
     return Result.of(core, prog, status, time.perf_counter() - start, log)
+
+
+def sweep(
+    prog: program.Program,
+    heuristics=HEURISTICS,
+    ratios=SWEEP_RATIOS,
+    progress: bool = False,
+    **options,
+) -> list[dict]:
+    """simulate() at every heuristic x budget ratio: one dict per run with heuristic,
+    ratio, status, feasible, overhead and the Result's counters (the rows that
+    dtr.plot.overhead_vs_budget draws). options go to simulate(); progress=True shows
+    a tqdm bar."""
+    points = [(h, r) for h in heuristics for r in ratios]
+    if progress:
+        from tqdm.auto import tqdm
+
+        points = tqdm(points, desc=prog.name or "sweep", unit="run", leave=False)
+    rows = []
+    for heuristic, ratio in points:
+        res = simulate(prog, heuristic, ratio=ratio, **options)
+        rows.append(dict(heuristic=heuristic, ratio=ratio, **res.as_dict()))
+    return rows

@@ -16,9 +16,7 @@ import sys
 
 from ..config import parse_budget
 from ..errors import DTRError
-from . import HEURISTICS, PROTOTYPE_DIR, load, program, simulate
-
-SWEEP_RATIOS = tuple(round(1.0 - 0.05 * i, 2) for i in range(20))  # 1.0 .. 0.05
+from . import HEURISTICS, PROTOTYPE_DIR, SWEEP_RATIOS, load, program, simulate
 
 
 def find_trace(name: str, traces: str) -> str:

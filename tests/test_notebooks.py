@@ -1,0 +1,38 @@
+"""The notebooks run top to bottom on CPU (they hold their own checks: the quickstart
+asserts its run is bitwise equal to eager). Stored without outputs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+NOTEBOOKS = sorted(f for f in os.listdir(FOLDER) if f.endswith(".ipynb"))
+
+
+def test_the_notebooks_are_found():
+    assert {"quickstart.ipynb", "heuristics.ipynb"} <= set(NOTEBOOKS)
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs(name):
+    nb = nbformat.read(os.path.join(FOLDER, name), as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
+        f"{name} is stored with outputs; clear them before committing"
+    )
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": FOLDER}}
+    )
+    client.execute()  # raises CellExecutionError with the failing cell's traceback
+    figures = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if "image/png" in o.get("data", {})
+    ]
+    assert figures, f"{name} drew no figure"
