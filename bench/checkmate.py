@@ -23,7 +23,7 @@ import dtr.sim as sim
 from dtr.sim import chain, checkmate
 
 from .common import RESULTS, print_table, write_csv
-from .harness import train
+from .harness import record_traces
 
 RATIOS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
 WITHIN = 1.10  # "close to optimal": at most 10% more compute than the optimum
@@ -32,16 +32,6 @@ WITHIN = 1.10  # "close to optimal": at most 10% more compute than the optimum
 def chain_traces(sizes: list[int], folder: str) -> list[tuple[str, str]]:
     paths = [chain.plain(n, os.path.join(folder, f"chain{n}.jsonl")) for n in sizes]
     return [(f"chain n={n}", path) for n, path in zip(sizes, paths)]
-
-
-def model_traces(models: list[str], folder: str) -> list[tuple[str, str]]:
-    """One training step of each bench model (test size) under dtr, traced."""
-    out = []
-    for name in models:
-        path = os.path.join(folder, f"{name}.jsonl.gz")
-        train(name, steps=1, dtr_kwargs={"trace": path, "cost_model": "roofline"})
-        out.append((f"dtr {name}", path))
-    return out
 
 
 def within(overhead: float, sched: checkmate.Schedule) -> str:
@@ -155,7 +145,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         traces = chain_traces(args.sizes, folder)
         if not args.no_record:
-            traces += model_traces(args.models, folder)
+            traces += record_traces(args.models, folder)
         rows = sweep(traces, args.ratios, args.heuristics, args.time_limit, args.max_nodes)
     header, lines = table(rows, args.heuristics)
     print("\noverhead (total compute / each op once) at the same budget in bytes")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 
 import torch
 
@@ -79,4 +80,16 @@ def mismatches(a: Trajectory, b: Trajectory) -> list[str]:
         for i, (x, y) in enumerate(zip(xs, ys)):
             if not torch.equal(x, y):
                 out.append(f"{kind} {i}")
+    return out
+
+
+def record_traces(models: list[str], folder: str) -> list[tuple[str, str]]:
+    """One training step of each bench model (test size) under dtr with the deterministic
+    cost model, traced to folder/<model>.jsonl.gz; returns (label, path) pairs."""
+    os.makedirs(folder, exist_ok=True)
+    out = []
+    for name in models:
+        path = os.path.join(folder, f"{name}.jsonl.gz")
+        train(name, steps=1, dtr_kwargs={"trace": path, "cost_model": "roofline"})
+        out.append((f"dtr {name}", path))
     return out

@@ -24,7 +24,7 @@ import dtr.sim as sim
 from dtr.plot import overhead_vs_budget
 
 from .common import RESULTS, print_table, write_csv
-from .harness import train
+from .harness import record_traces
 
 RATIOS = sim.SWEEP_RATIOS
 
@@ -61,17 +61,6 @@ def prototype_traces(folder: str) -> list[tuple[str, str]]:
         matches = sorted(glob.glob(os.path.join(folder, key + "-*")))
         if matches:
             out.append((PAPER[key][0], matches[0]))
-    return out
-
-
-def record_bench_traces(folder: str, models: list[str]) -> list[tuple[str, str]]:
-    """One training step of each bench model (test size) under dtr, traced."""
-    os.makedirs(folder, exist_ok=True)
-    out = []
-    for name in models:
-        path = os.path.join(folder, f"{name}.jsonl.gz")
-        train(name, steps=1, dtr_kwargs={"trace": path, "cost_model": "roofline"})
-        out.append((f"dtr {name}", path))
     return out
 
 
@@ -202,7 +191,7 @@ def main(argv=None) -> None:
     if not traces:
         print(f"no prototype traces in {args.traces}; continuing with ours")
     if not args.no_record:
-        traces += record_bench_traces(os.path.join(RESULTS, "traces"), args.models)
+        traces += record_traces(args.models, os.path.join(RESULTS, "traces"))
     start = time.perf_counter()
     rows = sweep(traces, args.heuristics, RATIOS, args.engine)
     seconds = time.perf_counter() - start
