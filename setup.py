@@ -49,6 +49,7 @@ setup(
         "test": [
             "pytest",
             "hypothesis",
+            "expecttest",  # torch.testing._internal (OpInfo) imports it
             "scipy",
             "matplotlib",
             "tqdm",
