@@ -27,22 +27,23 @@ def requested_bytes(exc: BaseException) -> int:
     return int(float(match.group(1)) * _SCALE[match.group(2)]) if match else 0
 
 
-def call_with_retry(func, args, kwargs, retry: bool, evict, fail, rng=None):
-    """func(*args, **kwargs); on torch.OutOfMemoryError, evict(exc) -> bytes freed and
-    run it again, until it succeeds or nothing more can be freed: then raise fail(exc).
-    rng: the (generator, state) a random op must start from; every attempt starts there,
-    since a failed one may have drawn numbers already. dtr's own BudgetError (also an
-    OutOfMemoryError) passes through untouched."""
+def retry(exc, func, args, kwargs, retry: bool, evict, fail, rng=None):
+    """func(*args, **kwargs) raised exc, a torch.OutOfMemoryError: evict(exc) -> bytes
+    freed, and run it again until it succeeds or nothing more can be freed; then raise
+    fail(exc, retried). rng: the (generator, state) a random op must start from; every
+    attempt starts there, since the failed one may have drawn numbers already. dtr's own
+    BudgetError (also an OutOfMemoryError) passes through untouched."""
     while True:
+        if not retry or evict(exc) <= 0:
+            raise fail(exc, retry) from exc
+        if rng is not None:
+            rng[0].set_state(rng[1])
         try:
             return func(*args, **kwargs)
         except BudgetError:
             raise
-        except torch.OutOfMemoryError as exc:
-            if not retry or evict(exc) <= 0:
-                raise fail(exc, retry) from exc
-            if rng is not None:
-                rng[0].set_state(rng[1])
+        except torch.OutOfMemoryError as again:
+            exc = again
 
 
 def oom_message(name: str, exc: BaseException, retried: bool, core) -> str:

@@ -50,12 +50,13 @@ class Recipe:
         self.grad = grad  # some kernels behave differently with grad mode on (mkldnn RNNs)
         self.outputs: list[Node] = []  # aligned with the core's outputs of this recipe
 
-    def replay(self, stolen=(), call=None) -> list[torch.Tensor]:
+    def replay(self, stolen=(), on_oom=None) -> list[torch.Tensor]:
         """Run the op again on the current values of its inputs; returns the values of
         its outputs in core order. The caller has materialized and locked the inputs.
         Outputs listed in stolen are computed in place in their old version's storage
         (the core allowed it); other written arguments are copied first (Invariant 4).
-        call(func, args, kwargs, retry) runs the op, when given."""
+        on_oom(exc, func, args, kwargs, retry, rng), when given, handles an allocator
+        out-of-memory error (the runtime evicts and runs the op again)."""
         vals = [
             x.value if type(x) is Node else x.get() if type(x) is StandIn else x
             for x in self.inputs
@@ -69,11 +70,13 @@ class Recipe:
                 vals[k] = copy_preserving_layout(vals[k])
         args, kwargs = substitute(self.args, self.kwargs, self.where, vals)
         with rng.replaying(self.rng), torch.set_grad_enabled(self.grad):
-            if call is None:
+            try:
                 out = self.func(*args, **kwargs)
-            else:  # the runtime's: evict and retry on an allocator out-of-memory, unless
-                # the op writes in place into an input's own storage (a stolen one)
-                out = call(self.func, args, kwargs, not in_place, self.rng)
+            except torch.OutOfMemoryError as exc:
+                if on_oom is None:
+                    raise
+                # not retried when the op wrote into an input's own storage (a stolen one)
+                out = on_oom(exc, self.func, args, kwargs, not in_place, self.rng)
         rets = (out,) if self.facts.nreturns == 1 else out
         produced = []
         for i, j in self.specs:

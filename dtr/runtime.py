@@ -205,9 +205,14 @@ class Runtime(Driver):
                 op.extra.append(self._constant(op.captured[1], op.fresh))
             real_args, real_kwargs = substitute(call.args, call.kwargs, call.where, op.vals)
             start = _perf()
-            out = self.call(func, real_args, real_kwargs, not op.written, op.captured)
+            try:  # (the retry is off the fast path: a try costs nothing until it raises)
+                out = func(*real_args, **real_kwargs)
+            except torch.OutOfMemoryError as exc:
+                out = self.retry_after_oom(
+                    exc, func, real_args, real_kwargs, not op.written, op.captured
+                )
             op.cost = _perf() - start
-            if self.model_cost or _device_of(call.leaves).type != "cpu":
+            if self.model_cost or not op.vals[0].is_cpu:
                 # On an accelerator the wall time around an asynchronous kernel is its
                 # launch only, so the deterministic model stands in (dtr/cost.py).
                 op.cost = _cost.roofline(func, real_args, real_kwargs, out)
@@ -427,7 +432,7 @@ class Runtime(Driver):
         """Op boundary: evict until resident bytes fit the budget (Invariant 6). The
         op's own outputs are protected while choosing victims."""
         core = self.core
-        before = core.resident_bytes
+        before = core.resident_bytes if self.timeline is not None else 0
         for tid in fresh:
             core.lock(tid)
         try:
@@ -515,7 +520,7 @@ class Runtime(Driver):
         if stolen:
             self._stealing = (rec, stolen)
         start = _perf()
-        values = rec.replay(stolen, call=self.call)
+        values = rec.replay(stolen, on_oom=self.retry_after_oom)
         self.recompute_seconds += _perf() - start
         nbytes = []
         for node, value in zip(rec.outputs, values):
@@ -525,11 +530,14 @@ class Runtime(Driver):
         return nbytes
 
     # ================================================================== allocator OOM
-    def call(self, func, args, kwargs, retry: bool, rng=None):
-        """func(*args, **kwargs), evicting and retrying when the allocator runs out of
-        memory (dtr/oom.py); retry=False for ops that write to an argument; rng: the
-        captured (generator, state) of a random op."""
-        return oom.call_with_retry(
+    def retry_after_oom(self, exc, func, args, kwargs, retry: bool, rng=None):
+        """func(*args, **kwargs) raised exc, an allocator out-of-memory: evict and run
+        it again (dtr/oom.py); retry=False for ops that write to an argument; rng: the
+        captured (generator, state) of a random op, restored before each attempt."""
+        if isinstance(exc, BudgetError):  # dtr's own, from an op nested in func
+            raise exc
+        return oom.retry(
+            exc,
             func,
             args,
             kwargs,

@@ -1,0 +1,198 @@
+"""Per-op overhead: microseconds dtr adds to an op, and where they go.
+
+For small ops (64x64 add, matmul, relu, a view, an in-place add) on managed tensors:
+eager time per op, dtr's with no budget and under a budget (a budget is checked at every
+op boundary; here nothing is evicted, so this is the price of the check), side by side in
+one process, medians of several repeats. Then a profile of dtr's path for the add, split
+into: the kernel itself (what eager pays), dtr's Python dispatch and bookkeeping, calls
+into the core, and the victim search (make_room). Then a full training step of each
+bench model with no budget against eager. Writes bench/results/overhead.csv.
+
+    python -m bench.overhead            # about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+import dtr
+
+from .common import RESULTS, print_table, timed_steps, write_csv
+
+SMALL_OPS = {
+    "add 64x64": lambda x, w: x + w,
+    "matmul 64x64": lambda x, w: x @ w,
+    "relu 64x64": lambda x, w: torch.relu(x),
+    "view": lambda x, w: x.view(-1),
+    "in-place add_": lambda x, w: x.add_(w),
+}
+
+
+def _per_op_us(fn, x, w, n: int, repeats: int) -> float:
+    """Median over repeats of the mean time of n calls, in microseconds."""
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn(x, w)
+        samples.append((time.perf_counter() - start) / n * 1e6)
+    return statistics.median(samples)
+
+
+def _inputs(in_place: bool):
+    """64x64 operands, x an op's output that requires grad (as in a training step: under
+    dtr a managed value, so every op on it is recorded; eager and dtr both pay
+    autograd); for an in-place op, x is detached (autograd refuses some in-place writes)."""
+    torch.manual_seed(0)
+    leaf = torch.randn(64, 64, requires_grad=True)
+    x = leaf * 1
+    return (x.detach() * 1 if in_place else x), torch.randn(64, 64)
+
+
+def small_ops(n: int, repeats: int) -> list[dict]:
+    rows = []
+    for name, fn in SMALL_OPS.items():
+        in_place = name.startswith("in-place")
+        eager = _per_op_us(fn, *_inputs(in_place), n, repeats)
+        timings = {}
+        for label, budget in (("no budget", None), ("budget", "1GiB")):
+            with dtr.enable(budget=budget):
+                timings[label] = _per_op_us(fn, *_inputs(in_place), n, repeats)
+        rows.append(
+            dict(
+                op=name,
+                eager_us=eager,
+                dtr_us=timings["no budget"],
+                added_us=timings["no budget"] - eager,
+                ratio=timings["no budget"] / eager,
+                budget_us=timings["budget"],
+                budget_added_us=timings["budget"] - eager,
+            )
+        )
+    return rows
+
+
+def _category(func: tuple) -> str:
+    filename, _, name = func
+    if "make_room" in name or "evict" in name:
+        return "victim search"
+    if "dtr._C" in name or "_pycore" in filename or "Core" in name:
+        return "core calls"
+    if os.sep + "dtr" + os.sep in filename:
+        return "dtr Python (dispatch, bookkeeping)"
+    return "kernel and PyTorch"
+
+
+def breakdown(n: int) -> list[dict]:
+    """Where the time of a managed 64x64 add goes: cProfile's tottime per category, per
+    op (profiling inflates Python's share, so read it as proportions)."""
+    fn = SMALL_OPS["add 64x64"]
+    with dtr.enable(budget="1GiB"):
+        x, w = _inputs(False)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            fn(x, w)
+        prof.disable()
+    stats = pstats.Stats(prof)
+    totals: dict[str, float] = {}
+    for func, (_, _, tottime, _, _) in stats.stats.items():
+        key = _category(func)
+        totals[key] = totals.get(key, 0.0) + tottime
+    whole = sum(totals.values())
+    return [
+        dict(part=k, us_per_op=v / n * 1e6, share=v / whole)
+        for k, v in sorted(totals.items(), key=lambda kv: -kv[1])
+    ]
+
+
+def steps(models: list[str], n: int) -> list[dict]:
+    rows = []
+    for name in models:
+        eager = timed_steps(name, 1, n, 2, None)
+        free = timed_steps(name, 1, n, 2, {})
+        rows.append(
+            dict(
+                model=name,
+                eager_ms=eager.median * 1e3,
+                dtr_ms=free.median * 1e3,
+                ratio=free.median / eager.median,
+                ops=free.stats.ops // (n + 2),
+                added_us_per_op=(free.median - eager.median) / (free.stats.ops / (n + 2)) * 1e6,
+            )
+        )
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=2000, help="calls per timing")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed training steps")
+    parser.add_argument(
+        "--models", nargs="+", default=["mlp", "cnn", "lstm", "transformer", "tree"]
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # small ops: thread start-up would dominate and add noise
+
+    ops = small_ops(args.n, args.repeats)
+    header = ["op", "eager us", "dtr us", "added us", "ratio", "under budget us", "added us"]
+    print("\nsmall ops on managed tensors (median of repeats; one thread)")
+    table = [
+        [
+            r["op"],
+            f"{r['eager_us']:.1f}",
+            f"{r['dtr_us']:.1f}",
+            f"{r['added_us']:.1f}",
+            f"{r['ratio']:.1f}x",
+            f"{r['budget_us']:.1f}",
+            f"{r['budget_added_us']:.1f}",
+        ]
+        for r in ops
+    ]
+    print_table(header, table)
+
+    parts = breakdown(args.n)
+    print("\nwhere a managed 64x64 add's time goes (cProfile tottime; profiling inflates Python)")
+    print_table(
+        ["part", "us per op", "share"],
+        [[p["part"], f"{p['us_per_op']:.1f}", f"{p['share']:.0%}"] for p in parts],
+    )
+
+    model_rows = steps(args.models, args.steps)
+    print("\ntraining steps (test-size models, Adam), no budget vs eager")
+    print_table(
+        ["model", "eager ms", "dtr ms", "ratio", "ops/step", "added us/op"],
+        [
+            [
+                r["model"],
+                f"{r['eager_ms']:.1f}",
+                f"{r['dtr_ms']:.1f}",
+                f"{r['ratio']:.2f}x",
+                r["ops"],
+                f"{r['added_us_per_op']:.1f}",
+            ]
+            for r in model_rows
+        ],
+    )
+
+    path = os.path.join(RESULTS, "overhead.csv")
+    rows = [["small_op", r["op"], "eager_us", r["eager_us"]] for r in ops]
+    rows += [["small_op", r["op"], "dtr_us", r["dtr_us"]] for r in ops]
+    rows += [["small_op", r["op"], "budget_us", r["budget_us"]] for r in ops]
+    rows += [["breakdown", p["part"], "us_per_op", p["us_per_op"]] for p in parts]
+    rows += [["step", r["model"], "eager_ms", r["eager_ms"]] for r in model_rows]
+    rows += [["step", r["model"], "dtr_ms", r["dtr_ms"]] for r in model_rows]
+    write_csv(path, ["kind", "name", "metric", "value"], [[*r[:3], f"{r[3]:.4g}"] for r in rows])
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
