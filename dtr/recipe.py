@@ -33,6 +33,7 @@ class Recipe:
         "outputs",
         "facts",
         "grad",
+        "versions",
     )
 
     def __init__(
@@ -49,6 +50,14 @@ class Recipe:
         self.rng = captured
         self.grad = grad  # some kernels behave differently with grad mode on (mkldnn RNNs)
         self.outputs: list[Node] = []  # aligned with the core's outputs of this recipe
+        # The version of each plain tensor it reads: every write dtr sees to one of them
+        # pins what depends on it first (Invariant 4), so a changed version at replay is
+        # a write dtr could not see (another thread; code outside any dispatch).
+        self.versions = tuple(
+            (k, x._version)
+            for k, x in enumerate(inputs)
+            if type(x) is not Node and isinstance(x, torch.Tensor) and not x.is_inference()
+        )
 
     def replay(self, stolen=(), on_oom=None) -> list[torch.Tensor]:
         """Run the op again on the current values of its inputs; returns the values of
@@ -64,6 +73,9 @@ class Recipe:
         for x in self.inputs:
             if isinstance(x, torch.Tensor) and x.numel() and not x.untyped_storage().nbytes():
                 raise _freed(self.facts.name, x)
+        for k, version in self.versions:
+            if self.inputs[k]._version != version:
+                raise _written(self.facts.name, self.inputs[k])
         in_place = {self.specs[k][1] for k in stolen}
         for k in self.clone:
             if k not in in_place:
@@ -98,6 +110,16 @@ def _freed(name: str, t: torch.Tensor) -> UnsupportedError:
         "FSDP2's fully_shard does to unsharded parameters). Keep such code out of "
         "dtr.enable(), or run without a budget; see dtr/NOTES.md, 'Composing with DDP "
         "and FSDP'"
+    )
+
+
+def _written(name: str, t: torch.Tensor) -> UnsupportedError:
+    return UnsupportedError(
+        f"dtr: cannot recompute {name}: it reads a plain tensor of shape {list(t.shape)} "
+        "that has since been written in place where dtr could not see it (on another "
+        "thread, or by code that bypasses dispatch), so recomputing would use the new "
+        "value where the program used the old one. Update parameters on the thread that "
+        "runs dtr.enable(), or between steps"
     )
 
 
