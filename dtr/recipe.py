@@ -56,7 +56,7 @@ class Recipe:
         self.versions = tuple(
             (k, x._version)
             for k, x in enumerate(inputs)
-            if type(x) is not Node and isinstance(x, torch.Tensor) and not x.is_inference()
+            if isinstance(x, torch.Tensor) and not x.is_inference()  # a Node is not one
         )
 
     def replay(self, stolen=(), on_oom=None) -> list[torch.Tensor]:

@@ -8,8 +8,18 @@ import json
 from .units import format_bytes
 
 
+class Loggable:
+    """as_dict() / to_json() for the dataclasses a user logs (Stats, StepStats)."""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), sort_keys=True)
+
+
 @dataclasses.dataclass(frozen=True)
-class Stats:
+class Stats(Loggable):
     """Counters of one :func:`dtr.enable` session.
 
     Attributes:
@@ -45,12 +55,6 @@ class Stats:
     constant_bytes: int
     core: str
     oom_retries: int = 0
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.as_dict(), sort_keys=True)
 
     def __str__(self) -> str:
         return (

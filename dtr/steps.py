@@ -14,17 +14,17 @@ step). Each step's summary goes to ``session.steps()`` and, at INFO, to the stan
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 
+from .stats import Loggable
 from .units import format_bytes
 
 log = logging.getLogger("dtr")
 
 
 @dataclasses.dataclass(frozen=True)
-class StepStats:
+class StepStats(Loggable):
     """One step's counters (deltas over the step, except the byte counts).
 
     Attributes:
@@ -45,12 +45,6 @@ class StepStats:
     resident_bytes: int
     budget_bytes: int | None
     seconds: float
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.as_dict(), sort_keys=True)
 
     def __str__(self) -> str:
         return (

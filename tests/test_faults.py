@@ -26,7 +26,7 @@ from torch import nn
 import dtr
 from dtr import runtime as dtr_runtime
 from tests.conftest import HAVE_CPP
-from tests.utils import assert_bitwise
+from tests.utils import assert_bitwise, eager_chain_grad
 
 FORMS = ("'800000B'", "'512MB'", "'1.5GiB'", "powers of 1000", "KiB, MiB, GiB, TiB")
 
@@ -208,7 +208,7 @@ def test_set_budget_with_a_malformed_value_keeps_the_session(value, core):
         _names_forms(msg)
         assert session.stats().budget_bytes == 2**20  # unchanged
         h.sum().backward()
-    assert torch.equal(x.grad, _tanh_chain_grad(x, 2))
+    assert torch.equal(x.grad, eager_chain_grad(x, 2))
 
 
 # ====================================================================== infeasible budgets
@@ -331,7 +331,7 @@ def test_budget_error_while_recomputing_is_caught_and_the_session_goes_on(core):
             assert torch.equal(dtr.materialize(h), ref)
         x.grad = None
         hs[-1].sum().backward()
-    assert torch.equal(x.grad, _tanh_chain_grad(x, 8))
+    assert torch.equal(x.grad, eager_chain_grad(x, 8))
 
 
 def test_budget_error_caught_inside_the_block_then_training_goes_on(core):
@@ -594,19 +594,10 @@ def test_failing_kernel_inside_the_block_releases_its_locks(core):
         y = h.tanh().tanh()
         y.sum().backward()
         assert session.stats().evictions > 0
-    assert torch.equal(x.grad, _tanh_chain_grad(x, 3))
+    assert torch.equal(x.grad, eager_chain_grad(x, 3))
 
 
 # ====================================================================== threads
-def _tanh_chain_grad(x, n):
-    x2 = x.detach().requires_grad_()
-    h = x2
-    for _ in range(n):
-        h = h.tanh()
-    h.sum().backward()
-    return x2.grad
-
-
 def _run_thread(fn, *args):
     box = {}
 
@@ -638,7 +629,7 @@ def test_a_second_session_on_another_thread_is_rejected(core):
     assert msg.startswith("dtr: ") and "already active" in msg and "concurrent" in msg
     assert repr(threading.current_thread().name) in msg  # names the session's thread
     assert session.stats().evictions > 0
-    assert torch.equal(x.grad, _sin_chain_grad(x, 3))
+    assert torch.equal(x.grad, eager_chain_grad(x, 3, torch.sin))
     # Once it ended, another thread may run its own session.
     t, box = _run_thread(other_session)
     t.join(30)
@@ -649,7 +640,7 @@ def test_sessions_started_together_on_two_threads(core):
     # Both threads try to enter at once, ten times: exactly one gets in each round and
     # computes correctly; the other gets a clear DTRError, never a half-made session.
     x = torch.randn(24, 24, requires_grad=True)
-    expected = _sin_chain_grad(x, 4)
+    expected = eager_chain_grad(x, 4, torch.sin)
     for _ in range(10):
         start = threading.Barrier(2)
         tried = [threading.Event(), threading.Event()]
@@ -681,15 +672,6 @@ def test_sessions_started_together_on_two_threads(core):
         winner = threads[0][0] if isinstance(results[0], torch.Tensor) else threads[1][0]
         assert "already active on thread" in errors[0] and repr(winner.name) in errors[0]
         assert dtr.session.current() is None
-
-
-def _sin_chain_grad(x, n):
-    x2 = x.detach().requires_grad_()
-    h = x2
-    for _ in range(n):
-        h = h.sin()
-    h.sum().backward()
-    return x2.grad
 
 
 def test_wrappers_used_by_other_threads_concurrently(core):

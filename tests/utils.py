@@ -14,3 +14,13 @@ def assert_bitwise(actual, expected, what: str = "value") -> None:
     assert type(actual) is torch.Tensor, f"{what}: got {type(actual).__name__}, not a plain tensor"
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
     assert torch.equal(actual, expected), f"{what} differs from eager"
+
+
+def eager_chain_grad(x: torch.Tensor, n: int, step=torch.tanh) -> torch.Tensor:
+    """The gradient of sum(step^n(x)) with respect to x, computed eagerly on a copy."""
+    x2 = x.detach().requires_grad_()
+    h = x2
+    for _ in range(n):
+        h = step(h)
+    h.sum().backward()
+    return x2.grad
