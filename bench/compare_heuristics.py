@@ -7,21 +7,44 @@ bytes, or "infeasible". Prints a table, writes bench/results/heuristics.csv and 
 
     python -m bench.compare_heuristics            # the full sweep (about 20 minutes)
     python -m bench.compare_heuristics --quick    # small models, a minute
+    python -m bench.compare_heuristics --device cuda    # on the GPU: bench/results/gpu/
+
+On CUDA each step is timed between two torch.cuda.synchronize() calls, "eager peak" is
+the caching allocator's max_memory_allocated over an eager step (parameters, gradients
+and optimizer state included, as the profiler's CPU measure), and three more columns
+come from torch.cuda.memory_stats() per run: the allocator's own peak (max allocated,
+MiB), the peak of inactive_split_bytes (cached memory in split blocks that no
+allocation can use whole: fragmentation) and num_alloc_retries (times a cudaMalloc
+failed and the allocator freed its cache to retry). Dtr's ops on a GPU always use the
+roofline cost model (README), whatever --cost-model says.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import time
 
+import torch
 from tqdm.auto import tqdm
 
 import dtr
 from dtr.plot import slowdown_vs_budget
 
-from .common import BENCH_SCALE, RESULTS, eager_peak_bytes, mib, print_table, timed_steps, write_csv
-from .models import MODELS
+from .common import (
+    BENCH_SCALE,
+    RESULTS,
+    Run,
+    eager_peak_bytes,
+    mib,
+    print_table,
+    timed_steps,
+    write_csv,
+)
+from .harness import make_optimizer, to_device
+from .models import MODELS, batches, build
 
 RATIOS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2)
 HEADER = [
@@ -35,22 +58,95 @@ HEADER = [
     "peak_mib",
     "status",
 ]
+CUDA_HEADER = ["cuda_peak_mib", "inactive_split_bytes", "num_alloc_retries"]
+
+
+def _cuda_steps(
+    name: str, scale: int, steps: int, warmup: int, dtr_kwargs: dict | None, optimizer: str
+) -> tuple[Run, dict]:
+    """common.timed_steps on the current CUDA device: model and batches built on the CPU
+    from the same seeds, then moved; each step timed between synchronizations. Also
+    returns the allocator's counters over the run (see the module docstring)."""
+    spec = MODELS[name]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # this run's fragmentation, not the previous run's
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_stats()
+    model = build(name, scale=scale).to("cuda")
+    opt = make_optimizer(optimizer, model.parameters())
+    data = [to_device(b, "cuda") for b in batches(name, warmup + steps, scale=scale)]
+    base = before.get("allocated_bytes.all.current", 0)
+    torch.manual_seed(0)
+    times: list[float] = []
+    ctx = dtr.enable(**dtr_kwargs) if dtr_kwargs is not None else contextlib.nullcontext()
+    try:
+        with ctx as session:
+            for i, batch in enumerate(data):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                loss = spec.loss(model, batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                torch.cuda.synchronize()
+                if i >= warmup:
+                    times.append(time.perf_counter() - start)
+        run = Run(times, session.stats() if dtr_kwargs is not None else None)
+    except dtr.BudgetError:
+        run = Run([], None, "infeasible")
+    after = torch.cuda.memory_stats()
+    counters = {
+        "cuda_peak": after.get("allocated_bytes.all.peak", 0) - base,
+        "inactive_split": after.get("inactive_split_bytes.all.peak", 0),
+        "alloc_retries": after.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0),
+    }
+    return run, counters
+
+
+def _cuda_eager_peak_bytes(name: str, scale: int, optimizer: str) -> int:
+    """Peak allocated bytes of an eager training step on the GPU (after one step has
+    created the optimizer state), over what was allocated before the model existed."""
+    spec = MODELS[name]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    model = build(name, scale=scale).to("cuda")
+    opt = make_optimizer(optimizer, model.parameters())
+    data = [to_device(b, "cuda") for b in batches(name, 2, scale=scale)]
+    spec.loss(model, data[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    spec.loss(model, data[1]).backward()
+    opt.step()
+    opt.zero_grad()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _timed(args, name: str, scale: int, dtr_kwargs: dict | None) -> tuple[Run, dict]:
+    if args.device == "cuda":
+        return _cuda_steps(name, scale, args.steps, args.warmup, dtr_kwargs, args.optimizer)
+    return timed_steps(name, scale, args.steps, args.warmup, dtr_kwargs, args.optimizer), {}
 
 
 def sweep(args) -> list[dict]:
     rows: list[dict] = []
     for name in args.models:
         scale = args.scale or (1 if args.quick else BENCH_SCALE[name])
-        eager = timed_steps(name, scale, args.steps, args.warmup, None, args.optimizer)
-        peak_eager = eager_peak_bytes(name, scale, args.optimizer)
-        free = timed_steps(
-            name, scale, args.steps, args.warmup, {"cost_model": args.cost_model}, args.optimizer
-        )
+        eager, eager_counters = _timed(args, name, scale, None)
+        if args.device == "cuda":
+            peak_eager = _cuda_eager_peak_bytes(name, scale, args.optimizer)
+        else:
+            peak_eager = eager_peak_bytes(name, scale, args.optimizer)
+        free, free_counters = _timed(args, name, scale, {"cost_model": args.cost_model})
         peak = free.stats.peak_resident_bytes
         print(
-            f"{name} (scale {scale}): eager {eager.median * 1e3:.1f} ms/step, eager peak "
-            f"{mib(peak_eager)} MiB (profiler); dtr unbudgeted {free.median / eager.median:.3f}x"
-            f", peak P = {mib(peak)} MiB",
+            f"{name} (scale {scale}, {args.device}): eager {eager.median * 1e3:.1f} ms/step, "
+            f"eager peak {mib(peak_eager)} MiB "
+            f"({'allocator' if args.device == 'cuda' else 'profiler'}); dtr unbudgeted "
+            f"{free.median / eager.median:.3f}x, peak P = {mib(peak)} MiB",
             flush=True,
         )
         rows.append(
@@ -64,6 +160,7 @@ def sweep(args) -> list[dict]:
                 remats=0,
                 peak=peak_eager,
                 status="ok",
+                **eager_counters,
             )
         )
         rows.append(
@@ -77,19 +174,18 @@ def sweep(args) -> list[dict]:
                 remats=0,
                 peak=peak,
                 status="ok",
+                **free_counters,
             )
         )
         # an infeasible point is a row with its error as status, never a crash
         points = [(h, r) for h in args.heuristics for r in args.ratios]
         for heuristic, ratio in tqdm(points, desc=name, unit="run", leave=False):
             budget = int(peak * ratio)
-            run = timed_steps(
+            run, counters = _timed(
+                args,
                 name,
                 scale,
-                args.steps,
-                args.warmup,
                 {"budget": budget, "heuristic": heuristic, "cost_model": args.cost_model},
-                args.optimizer,
             )
             ok = not run.error
             rows.append(
@@ -103,6 +199,7 @@ def sweep(args) -> list[dict]:
                     remats=run.stats.remats if ok else None,
                     peak=run.stats.peak_resident_bytes if ok else None,
                     status="ok" if ok else run.error,
+                    **counters,
                 )
             )
             tqdm.write(
@@ -146,11 +243,27 @@ def main(argv=None) -> None:
     parser.add_argument("--optimizer", default="adam", choices=["sgd", "adam", "adamw"])
     parser.add_argument("--cost-model", default="time", choices=["time", "roofline"])
     parser.add_argument("--quick", action="store_true", help="test-size models, 2 steps")
-    parser.add_argument("--out", default=os.path.join(RESULTS, "heuristics.csv"))
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where to train (cuda: the current CUDA device; adds the allocator's columns)",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="CSV path (default bench/results/heuristics.csv; on cuda bench/results/gpu/)",
+    )
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    if args.out is None:
+        folder = os.path.join(RESULTS, "gpu") if args.device == "cuda" else RESULTS
+        args.out = os.path.join(folder, "heuristics.csv")
     if args.quick:
         args.steps, args.warmup = 2, 1
     rows = sweep(args)
+    header = HEADER + (CUDA_HEADER if args.device == "cuda" else [])
     table = [
         [
             r["model"],
@@ -163,15 +276,22 @@ def main(argv=None) -> None:
             "-" if r["peak"] is None else mib(r["peak"]),
             r["status"],
         ]
+        + (
+            [mib(r["cuda_peak"]), r["inactive_split"], r["alloc_retries"]]
+            if args.device == "cuda"
+            else []
+        )
         for r in rows
     ]
     print()
-    print_table(HEADER, table)
-    write_csv(args.out, HEADER, table)
+    print_table(header, table)
+    write_csv(args.out, header, table)
+    cost = "roofline" if args.device == "cuda" else args.cost_model
+    where = f"on {torch.cuda.get_device_name()}, " if args.device == "cuda" else ""
     plot = slowdown_vs_budget(
         [r for r in rows if r["heuristic"] not in ("eager", "none")],
         os.path.splitext(args.out)[0] + ".png",
-        f"dtr heuristics, live ({args.cost_model} cost model)",
+        f"dtr heuristics, live ({where}{cost} cost model)",
     )
     print()
     print_table(

@@ -124,9 +124,30 @@ def comparison(rows) -> list[list]:
                 f"{paper_half:.3f}",
                 f"{overhead_at(rows, label, 'dtr', 0.3):.3f}",
                 ",".join(f"{x:.2f}" for x in holes(rows, label, "dtr")) or "-",
+                f"{smallest_feasible(rows, label, 'msps_sqrt'):.2f}",
+                f"{overhead_at(rows, label, 'msps_sqrt', 0.5):.3f}",
+                f"{overhead_at(rows, label, 'msps_sqrt', 0.3):.3f}",
+                f"{max_loss(rows, label, 'msps_sqrt', 'dtr') * 100:+.1f}%",
             ]
         )
     return table
+
+
+def max_loss(rows, trace: str, ours: str, base: str) -> float:
+    """Largest relative overhead increase of ours over base at ratios both reach."""
+    over = {
+        (r["heuristic"], r["ratio"]): r["overhead"]
+        for r in rows
+        if r["trace"] == trace and r["status"] == "ok"
+    }
+    return max(
+        (
+            over[(ours, x)] / over[(base, x)] - 1
+            for (h, x) in over
+            if h == base and (ours, x) in over
+        ),
+        default=math.nan,
+    )
 
 
 def scan_holes(traces, engine: str) -> None:
@@ -214,6 +235,10 @@ def main(argv=None) -> None:
             "paper @0.5",
             "dtr @0.3",
             "dtr holes",
+            "msps_sqrt min",
+            "@0.5",
+            "@0.3",
+            "max loss vs dtr",
         ],
         comparison(rows),
     )

@@ -77,5 +77,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("remats", &dtr::Core::remats)
       .def_readonly("remat_cost", &dtr::Core::remat_cost)
       .def_readonly("evictions", &dtr::Core::evictions)
-      .def_readonly("eager_evictions", &dtr::Core::eager_evictions);
+      .def_readonly("eager_evictions", &dtr::Core::eager_evictions)
+      .def_readwrite("search_sample", &dtr::Core::search_sample)
+      .def_readonly("search_seconds", &dtr::Core::search_seconds);
 }

@@ -2,6 +2,8 @@
 #include "core.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <unordered_map>
@@ -26,7 +28,7 @@ bool contains(const std::vector<int64_t>& v, int64_t x) {
 
 const std::vector<std::string>& heuristic_names() {
   static const std::vector<std::string> names = {"dtr",  "dtr_eq", "dtr_local", "lru",
-                                                 "size", "msps",   "random"};
+                                                 "size", "msps",   "random",    "msps_sqrt"};
   return names;
 }
 
@@ -99,8 +101,27 @@ int64_t Core::new_pool(int64_t nbytes, bool resident, bool constant) {
   p.constant = constant;
   p.last_access = now;
   p.used = true;
-  if (resident) add_resident(nbytes);
+  if (resident) {
+    add_resident(nbytes);
+    if (!constant) cand_add(pid, p);
+  }
   return pid;
+}
+
+void Core::cand_add(int64_t pid, PoolRec& p) {
+  p.slot = static_cast<int64_t>(cands_.size());
+  cands_.push_back(pid);
+}
+
+void Core::cand_remove(PoolRec& p) {
+  if (p.slot < 0) return;
+  const int64_t last = cands_.back();
+  cands_.pop_back();
+  if (p.slot < static_cast<int64_t>(cands_.size())) {
+    cands_[p.slot] = last;
+    pools_[last].slot = p.slot;
+  }
+  p.slot = -1;
 }
 
 void Core::add_resident(int64_t nbytes) {
@@ -346,6 +367,7 @@ void Core::free_pool(int64_t pid) {
   PoolRec& p = pools_[pid];
   if (p.resident) {
     resident_bytes -= p.nbytes;
+    cand_remove(p);
   } else if (p.uf >= 0) {
     uf_leave(p);
   }
@@ -386,6 +408,7 @@ void Core::evict(int64_t pid) {
   p.resident = false;
   p.doomed = false;
   resident_bytes -= p.nbytes;
+  cand_remove(p);
   for (int64_t m : p.members) {
     TensorRec& t = tensors_[m];
     if (t.mat) {
@@ -423,23 +446,41 @@ int64_t Core::evict_all() {
 }
 
 int64_t Core::choose() {
-  const int64_t n = static_cast<int64_t>(pools_.size());
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t n = static_cast<int64_t>(cands_.size());
+  int64_t best = -1;
+  if (search_sample > 0 && search_sample < n) {
+    // Sampled search: the best of k candidates drawn uniformly (with repetition), O(k)
+    // per decision however many pools are resident; exact when no sample is evictable.
+    sample_.resize(search_sample);
+    for (int64_t i = 0; i < search_sample; ++i)
+      sample_[i] = cands_[next_random() % static_cast<uint64_t>(n)];
+    best = best_of(sample_);
+  }
+  if (best < 0) best = best_of(cands_);
+  search_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return best;
+}
+
+// The lowest-scoring eligible pool of pids, ties to the smallest pid (so the choice does
+// not depend on the order of pids).
+int64_t Core::best_of(const std::vector<int64_t>& pids) {
   if (h_ == kRandom) {
-    std::vector<int64_t> cands;
-    for (int64_t pid = 0; pid < n; ++pid) {
-      const PoolRec& p = pools_[pid];
-      if (evictable(p) && p.nbytes >= min_evict_bytes) cands.push_back(pid);
-    }
-    if (cands.empty()) return -1;
-    return cands[next_random() % cands.size()];
+    std::vector<int64_t> ok;
+    for (int64_t pid : pids)
+      if (eligible(pools_[pid])) ok.push_back(pid);
+    std::sort(ok.begin(), ok.end());
+    ok.erase(std::unique(ok.begin(), ok.end()), ok.end());
+    if (ok.empty()) return -1;
+    return ok[next_random() % ok.size()];
   }
   int64_t best = -1;
   double best_score = kInf;
-  for (int64_t pid = 0; pid < n; ++pid) {
+  for (int64_t pid : pids) {
     const PoolRec& p = pools_[pid];
-    if (!evictable(p) || p.nbytes < min_evict_bytes) continue;
+    if (!eligible(p)) continue;
     double s = score(pid, p, best_score);
-    if (best < 0 || s < best_score) {
+    if (best < 0 || s < best_score || (s == best_score && pid < best)) {
       best = pid;
       best_score = s;
     }
@@ -447,9 +488,9 @@ int64_t Core::choose() {
   return best;
 }
 
-// The pool's score; a neighbourhood walk stops once the score is known to be >= bound
-// (it cannot win then: costs are non-negative and float sums of them only grow), which
-// keeps the choice exact while skipping most of the walking.
+// The pool's score; a neighbourhood walk stops once the score is known to be > bound
+// (it cannot win or tie then: costs are non-negative and float sums of them only grow),
+// which keeps the choice exact while skipping most of the walking.
 double Core::score(int64_t pid, const PoolRec& p, double bound) {
   const double m = static_cast<double>(p.nbytes);
   const double stale = now - p.last_access;
@@ -457,6 +498,11 @@ double Core::score(int64_t pid, const PoolRec& p, double bound) {
   if (h_ == kMSPS) {
     if (m <= 0) return kInf;
     return neighborhood(pid, true, false, p.cost, m, bound) / m;
+  }
+  if (h_ == kMSPSSqrt) {
+    if (m <= 0 || stale <= 0) return kInf;
+    const double d = m * std::sqrt(stale);
+    return neighborhood(pid, true, false, p.cost, d, bound) / d;
   }
   const double denom = m * stale;
   if (h_ == kLRU) return stale > 0 ? 1.0 / stale : kInf;
@@ -492,7 +538,8 @@ void Core::pool_children(int64_t pid, std::vector<int64_t>& out) const {
 
 double Core::neighborhood(int64_t pid, bool up, bool down, double total, double denom,
                           double bound) {
-  std::vector<int64_t> stack, nbrs;
+  std::vector<int64_t>& stack = walk_stack_;  // scratch: no allocation per score
+  std::vector<int64_t>& nbrs = walk_nbrs_;
   for (int direction = 0; direction < 2; ++direction) {
     if ((direction == 0 && !up) || (direction == 1 && !down)) continue;
     const uint64_t mark = ++epoch_;
@@ -512,7 +559,7 @@ double Core::neighborhood(int64_t pid, bool up, bool down, double total, double 
         const PoolRec& pn = pools_[nb];
         if (pn.resident) continue;
         total += pn.cost;
-        if (total / denom >= bound) return total;
+        if (total / denom > bound) return total;
         stack.push_back(nb);
       }
     }
@@ -701,6 +748,7 @@ void Core::remat_done(int64_t rid, const std::vector<int64_t>& nbytes,
     PoolRec& p = pools_[t.pool];
     p.resident = false;
     resident_bytes -= p.nbytes;
+    cand_remove(p);
     mark_evicted(t.pool);
   }
   const std::vector<int64_t> outputs = recipes_[rid].outputs;
@@ -715,6 +763,7 @@ void Core::remat_done(int64_t rid, const std::vector<int64_t>& nbytes,
       p.resident = true;
       if (p.uf >= 0) uf_leave(p);
       add_resident(p.nbytes);
+      if (!p.constant) cand_add(t.pool, p);
     }
     t.mat = true;
     p.last_access = now;
@@ -823,6 +872,15 @@ void Core::check() const {
       fail("pool " + std::to_string(pid) + " counters out of date");
   }
   if (resident != resident_bytes) fail("resident byte count out of date");
+  std::vector<int64_t> want, have(cands_);
+  for (int64_t pid = 0; pid < static_cast<int64_t>(pools_.size()); ++pid) {
+    const PoolRec& p = pools_[pid];
+    if (p.used && p.resident && !p.constant) want.push_back(pid);
+  }
+  for (size_t k = 0; k < cands_.size(); ++k)
+    if (pools_[cands_[k]].slot != static_cast<int64_t>(k)) want.push_back(-1);
+  std::sort(have.begin(), have.end());
+  if (have != want) fail("victim candidate list out of step with resident pools");
   for (int64_t rid = 0; rid < static_cast<int64_t>(recipes_.size()); ++rid) {
     const RecipeRec& r = recipes_[rid];
     if (!r.used) continue;

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace dtr {
@@ -25,6 +26,7 @@ enum Heuristic : int {
   kSize = 4,
   kMSPS = 5,
   kRandom = 6,
+  kMSPSSqrt = 7,
 };
 
 const std::vector<std::string>& heuristic_names();
@@ -53,6 +55,7 @@ struct PoolRec {
   // The program dropped its last handle while the pool could not be evicted (locked, or
   // holding an unrecomputable member): evict as soon as it can be (Invariant 5).
   bool doomed = false;
+  int64_t slot = -1;  // index in Core::cands_ while resident and not constant
   std::vector<int64_t> members;
 };
 
@@ -135,6 +138,8 @@ class Core {
   double remat_cost = 0.0;
   int64_t evictions = 0;
   int64_t eager_evictions = 0;
+  int64_t search_sample = 0;    // > 0: score this many sampled candidates when there are more
+  double search_seconds = 0.0;  // time spent choosing victims
 
  private:
   const TensorRec& T(int64_t tid) const;
@@ -160,11 +165,14 @@ class Core {
   void maybe_eager_evict(int64_t pid);
   void evict(int64_t pid);
   int64_t choose();
+  int64_t best_of(const std::vector<int64_t>& pids);
+  bool eligible(const PoolRec& p) const { return evictable(p) && p.nbytes >= min_evict_bytes; }
+  void cand_add(int64_t pid, PoolRec& p);
+  void cand_remove(PoolRec& p);
   double score(int64_t pid, const PoolRec& p, double bound);
   void pool_parents(int64_t pid, std::vector<int64_t>& out) const;
   void pool_children(int64_t pid, std::vector<int64_t>& out) const;
-  double neighborhood(int64_t pid, bool up, bool down, double total, double denom,
-                      double bound);
+  double neighborhood(int64_t pid, bool up, bool down, double total, double denom, double bound);
   int64_t uf_find(int64_t x);
   void mark_evicted(int64_t pid);
   void uf_leave(PoolRec& p);
@@ -180,6 +188,11 @@ class Core {
   std::vector<int64_t> free_t_, free_p_, free_r_;
   std::vector<int64_t> dropped_t_, dropped_r_, dropped_p_;
   std::vector<int64_t> evicted_;
+  // Resident, non-constant pools (the possible victims), swap-removed in the same order
+  // as PyCore._cands, so victim search never walks evicted or freed pools.
+  std::vector<int64_t> cands_;
+  std::vector<int64_t> sample_;                  // scratch for sampled search
+  std::vector<int64_t> walk_stack_, walk_nbrs_;  // scratch for neighborhood()
   std::vector<int64_t> uf_parent_;
   std::vector<double> uf_cost_;
   int64_t evicted_pools_ = 0;

@@ -54,4 +54,6 @@ def core_class(force_python: bool):
 
 def make_core(config: DTRConfig, budget: int):
     cls, kind = core_class(config.force_python)
-    return cls(config.heuristic, budget, config.seed, config.min_evict_bytes), kind
+    core = cls(config.heuristic, budget, config.seed, config.min_evict_bytes)
+    core.search_sample = config.search_sample
+    return core, kind

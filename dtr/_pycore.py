@@ -23,8 +23,9 @@ See ``dtr/NOTES.md`` for the numbered invariants that the comments cite.
 from __future__ import annotations
 
 import math
+import time
 
-HEURISTICS = ("dtr", "dtr_eq", "dtr_local", "lru", "size", "msps", "random")
+HEURISTICS = ("dtr", "dtr_eq", "dtr_local", "lru", "size", "msps", "random", "msps_sqrt")
 
 # Output kinds for record(): a fresh storage, a view of an input, or a new version of a
 # tensor mutated in place (Invariant 4: the old value keeps its lineage).
@@ -62,6 +63,7 @@ class _Pool:
         "cost",
         "uf",
         "doomed",
+        "slot",
     )
 
     def __init__(self, nbytes: int, resident: bool, constant: bool, now: float):
@@ -78,6 +80,7 @@ class _Pool:
         # The program dropped its last handle while the pool could not be evicted (locked,
         # or holding an unrecomputable member): evict as soon as it can be (Invariant 5).
         self.doomed = False
+        self.slot = -1  # index in PyCore._cands while resident and not constant
 
 
 class _Frame:
@@ -129,6 +132,12 @@ class PyCore:
         self._evicted_pools = 0
         self._frames: list[_Frame] = []
         self._log: list[int] | None = None
+        # Resident, non-constant pools: the only possible victims, kept as a dense list
+        # (swap-remove, the same order in the C++ core) so that victim search never walks
+        # evicted or freed pools, and can sample (see _choose).
+        self._cands: list[int] = []
+        self.search_sample = 0  # > 0: score this many sampled candidates when there are more
+        self.search_seconds = 0.0  # time spent choosing victims
         self.now = 0.0
         self.resident_bytes = 0
         self.peak_bytes = 0
@@ -166,7 +175,22 @@ class PyCore:
             self._P.append(p)
         if resident:
             self._add_resident(nbytes)
+            if not constant:
+                self._cand_add(pid, p)
         return pid
+
+    def _cand_add(self, pid: int, p: _Pool) -> None:
+        p.slot = len(self._cands)
+        self._cands.append(pid)
+
+    def _cand_remove(self, p: _Pool) -> None:
+        if p.slot < 0:
+            return
+        last = self._cands.pop()
+        if p.slot < len(self._cands):
+            self._cands[p.slot] = last
+            self._P[last].slot = p.slot
+        p.slot = -1
 
     def _add_resident(self, nbytes: int) -> None:
         self.resident_bytes += nbytes
@@ -401,6 +425,7 @@ class PyCore:
         p = self._P[pid]
         if p.resident:
             self.resident_bytes -= p.nbytes
+            self._cand_remove(p)
         elif p.uf >= 0:
             self._uf_leave(p)
         self._P[pid] = None
@@ -435,6 +460,7 @@ class PyCore:
         p.resident = False
         p.doomed = False
         self.resident_bytes -= p.nbytes
+        self._cand_remove(p)
         for m in p.members:
             t = self._T[m]
             if t.mat:
@@ -480,28 +506,46 @@ class PyCore:
         return n
 
     def _choose(self) -> int:
+        start = time.perf_counter()
+        cands = self._cands
+        k = self.search_sample
+        best = -1
+        if 0 < k < len(cands):
+            # Sampled search: the best of k candidates drawn uniformly (with repetition),
+            # O(k) per decision however many tensors are resident. Exact when no sampled
+            # candidate is evictable, so a victim is found whenever one exists.
+            n = len(cands)
+            best = self._best_of([cands[self._next_random() % n] for _ in range(k)])
+        if best < 0:
+            best = self._best_of(cands)
+        self.search_seconds += time.perf_counter() - start
+        return best
+
+    def _best_of(self, pids: list[int]) -> int:
+        """The lowest-scoring evictable pool of pids, ties to the smallest pid (the
+        choice does not depend on the order of pids)."""
+        if self._h == 6:  # random: uniform over the candidates, in pid order
+            ok = sorted(
+                {pid for pid in pids if self._eligible(self._P[pid])},
+            )
+            return ok[self._next_random() % len(ok)] if ok else -1
         best, best_score = -1, math.inf
-        if self._h == 6:  # random: uniform over the candidates
-            cands = [
-                pid
-                for pid, p in enumerate(self._P)
-                if p is not None and self._evictable(p) and p.nbytes >= self.min_evict_bytes
-            ]
-            if not cands:
-                return -1
-            return cands[self._next_random() % len(cands)]
-        for pid, p in enumerate(self._P):
-            if p is None or not self._evictable(p) or p.nbytes < self.min_evict_bytes:
+        for pid in pids:
+            p = self._P[pid]
+            if not self._eligible(p):
                 continue
             s = self._score(pid, p, best_score)
-            if best < 0 or s < best_score:
+            if best < 0 or s < best_score or (s == best_score and pid < best):
                 best, best_score = pid, s
         return best
 
+    def _eligible(self, p: _Pool) -> bool:
+        return self._evictable(p) and p.nbytes >= self.min_evict_bytes
+
     def _score(self, pid: int, p: _Pool, bound: float) -> float:
         """The pool's score; a neighbourhood walk stops once the score is known to be
-        >= bound (it cannot win then: costs are non-negative and float sums of them
-        only grow), which keeps the choice exact while skipping most of the walking."""
+        > bound (it cannot win or tie then: costs are non-negative and float sums of
+        them only grow), which keeps the choice exact while skipping most of the walking."""
         h = self._h
         m = float(p.nbytes)
         stale = self.now - p.last_access
@@ -512,6 +556,11 @@ class PyCore:
                 return math.inf
             c = self._neighborhood(pid, True, False, p.cost, m, bound)
             return c / m
+        if h == 7:  # msps_sqrt: (c + evicted ancestors) / (m * sqrt(staleness)), ours
+            if m <= 0 or stale <= 0:
+                return math.inf
+            denom = m * math.sqrt(stale)
+            return self._neighborhood(pid, True, False, p.cost, denom, bound) / denom
         denom = m * stale
         if h == 3:  # lru
             return 1.0 / stale if stale > 0 else math.inf
@@ -555,7 +604,7 @@ class PyCore:
     ) -> float:
         """total + the costs of the evicted pools reachable from pid through evicted
         pools: ancestors (up) and descendants (down), the paper's e*(t). Stops early,
-        returning a partial sum, once total / denom >= bound."""
+        returning a partial sum, once total / denom > bound."""
         for direction in (0, 1):
             if (direction == 0 and not up) or (direction == 1 and not down):
                 continue
@@ -572,7 +621,7 @@ class PyCore:
                     if pn.resident:
                         continue
                     total += pn.cost
-                    if total / denom >= bound:
+                    if total / denom > bound:
                         return total
                     stack.append(n)
         return total
@@ -740,6 +789,7 @@ class PyCore:
             p = self._P[old.pool]
             p.resident = False
             self.resident_bytes -= p.nbytes
+            self._cand_remove(p)
             self._mark_evicted(old.pool)
         for k, o in enumerate(r.outputs):
             if o < 0:
@@ -755,6 +805,8 @@ class PyCore:
                 if p.uf >= 0:
                     self._uf_leave(p)
                 self._add_resident(p.nbytes)
+                if not p.constant:
+                    self._cand_add(t.pool, p)
             t.mat = True
             p.last_access = self.now
         for i in r.inputs:
@@ -876,6 +928,13 @@ class PyCore:
                     raise CoreError(f"dtr: tensor {m} materialized in evicted pool {pid}")
         if resident != self.resident_bytes:
             raise CoreError(f"dtr: resident {self.resident_bytes} != {resident}")
+        want = sorted(
+            pid for pid, p in enumerate(self._P) if p is not None and p.resident and not p.constant
+        )
+        if sorted(self._cands) != want or any(
+            self._P[pid].slot != k for k, pid in enumerate(self._cands)
+        ):
+            raise CoreError("dtr: victim candidate list out of step with resident pools")
         for rid, r in enumerate(self._R):
             if r is None:
                 continue

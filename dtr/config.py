@@ -30,6 +30,11 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
 
+# Exact victim search up to this many evictable pools, sampled beyond (bench/search_scaling
+# and dtr/NOTES.md "Victim search" for the measurements behind the number).
+SEARCH_SAMPLE_DEFAULT = 512
+
+
 @dataclasses.dataclass(frozen=True)
 class DTRConfig:
     """Validated settings of one :func:`dtr.enable` session.
@@ -40,6 +45,9 @@ class DTRConfig:
         stress: evict every evictable tensor after every op (testing mode).
         seed: seed of the ``random`` heuristic.
         min_evict_bytes: pools smaller than this are never chosen as victims.
+        search_sample: victim search scores every candidate while at most this many
+            pools are evictable, else the best of this many sampled ones (0: always
+            every candidate). Keeps a decision O(search_sample) on huge graphs.
         check: verify the core's invariants after every op (slow; for tests).
         force_python: use the pure-Python core even when the C++ one is built.
         cost_model: "time" (measured wall time) or "roofline" (deterministic estimate).
@@ -54,6 +62,7 @@ class DTRConfig:
     stress: bool = False
     seed: int = 0
     min_evict_bytes: int = 0
+    search_sample: int = SEARCH_SAMPLE_DEFAULT
     check: bool = False
     force_python: bool = False
     cost_model: str = "time"
@@ -92,7 +101,7 @@ class DTRConfig:
         for name in ("stress", "check", "force_python", "log_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"dtr: option {name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("seed", "min_evict_bytes", "timeline"):
+        for name in ("seed", "min_evict_bytes", "search_sample", "timeline"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"dtr: option {name} must be an int >= 0, got {value!r}")
@@ -102,6 +111,7 @@ OPTIONS = (
     "stress",
     "seed",
     "min_evict_bytes",
+    "search_sample",
     "check",
     "cost_model",
     "trace",
@@ -220,6 +230,7 @@ def resolve(
         stress=stress,
         seed=options.get("seed", 0),
         min_evict_bytes=options.get("min_evict_bytes", 0),
+        search_sample=options.get("search_sample", SEARCH_SAMPLE_DEFAULT),
         check=check,
         force_python=force_python(env),
     )

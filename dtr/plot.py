@@ -173,3 +173,72 @@ def memory_timeline(timeline, path: str | None = None, title: str = "dtr: memory
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     return _finish(fig, path)
+
+
+def step_time_vs_memory(
+    rows: list[dict], path: str | None = None, title: str = "step time against peak memory"
+):
+    """Methods side by side at equal memory: one panel per model, step time relative to
+    eager against measured peak memory (MiB), one colour per method. Every run is a
+    marker; the method's curve joins its pareto points (each faster than every run of
+    the method at less memory), so it reads as the method's best time at that memory.
+    rows: dicts with model, method, peak (bytes; None where the run failed or was
+    infeasible) and ratio (step time / eager); an optional setting labels the points of
+    a method with few."""
+    plt = _pyplot()
+    styles = {
+        "eager": dict(marker="*", markersize=14, linestyle="none", color="black"),
+        "checkpoint": dict(marker="s", linestyle="--", color="tab:orange"),
+        "compile": dict(marker="^", linestyle="-.", color="tab:green"),
+        "dtr": dict(marker="o", markersize=4, linestyle="-", color="tab:blue"),
+    }
+    by_model: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        ratio = r.get("ratio")
+        if r.get("peak") is None or ratio is None or math.isnan(ratio):
+            continue
+        by_model[r["model"]][r["method"]].append(
+            (r["peak"] / 2**20, ratio, str(r.get("setting") or ""))
+        )
+    models = list(by_model)
+    cols = min(2, max(1, len(models)))
+    nrows = math.ceil(len(models) / cols) if models else 1
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.5 * cols, 4.2 * nrows), squeeze=False)
+    for ax, model in zip(axes.flat, models):
+        for method, pts in by_model[model].items():
+            pts.sort()
+            style = dict(styles.get(method, dict(marker=".")))
+            line = style.pop("linestyle", "-")
+            front, best = [], math.inf
+            for x, y, _ in pts:
+                if y < best:
+                    front.append((x, y))
+                    best = y
+            (drawn,) = ax.plot(
+                [p[0] for p in front], [p[1] for p in front], linestyle=line, label=method, **style
+            )
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                linestyle="none",
+                alpha=0.45,
+                **{**style, "color": drawn.get_color()},
+            )
+            if method in ("checkpoint", "compile") and len(pts) <= 6:
+                for x, y, setting in pts:
+                    ax.annotate(
+                        setting, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points"
+                    )
+        ratios = [p[1] for pts in by_model[model].values() for p in pts]
+        if max(ratios) > 4 * min(ratios):  # linear unless a few runs are far slower
+            ax.set_yscale("log")
+            _plain_ticks(ax)
+        ax.set_title(model)
+        ax.set_xlabel("peak memory, MiB (torch.profiler)")
+        ax.set_ylabel("step time / eager")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(models) :]:
+        ax.axis("off")
+    fig.suptitle(title)
+    return _finish(fig, path)

@@ -41,6 +41,15 @@ class Recipe:
     ):
         self.func = func
         self.facts = facts
+        k = facts.arg_index.get("non_blocking")
+        if k is not None:
+            # dtr reads a recomputed value at once, with none of the synchronization the
+            # program wrote after its own asynchronous copy (a device-to-host copy lands
+            # in pinned memory later): replay it blocking; the values are the same.
+            if kwargs.get("non_blocking"):
+                kwargs = {**kwargs, "non_blocking": False}
+            elif k < len(args) and args[k] is True:
+                args = (*args[:k], False, *args[k + 1 :])
         self.args = args  # tensors replaced by None
         self.kwargs = kwargs
         self.where = where

@@ -212,9 +212,10 @@ class Runtime(Driver):
                     exc, func, real_args, real_kwargs, not op.written, op.captured
                 )
             op.cost = _perf() - start
-            if self.model_cost or not op.vals[0].is_cpu:
+            if self.model_cost or not (op.vals[0].is_cpu and _first_cpu(out)):
                 # On an accelerator the wall time around an asynchronous kernel is its
-                # launch only, so the deterministic model stands in (dtr/cost.py).
+                # launch only, so the deterministic model stands in (dtr/cost.py); a
+                # copy between devices counts as on the accelerator either way.
                 op.cost = _cost.roofline(func, real_args, real_kwargs, out)
             result, protect = self._record(op, out)
             recorded = True
@@ -270,7 +271,7 @@ class Runtime(Driver):
         start = _perf()
         out = func(*args, **kwargs)
         op.cost = _perf() - start
-        if self.model_cost:
+        if self.model_cost or not out.is_cpu:
             op.cost = _cost.roofline(func, args, kwargs, out)
         nbytes = out.untyped_storage().nbytes()
         out_tids = self.core.record(op.extra, op.cost, [NEW], [-1], [nbytes])
@@ -808,6 +809,17 @@ def _identity(o, vals, written) -> int:
         if vals[k] is o:
             return k
     return -1
+
+
+def _first_cpu(out) -> bool:
+    """Whether an op's first returned tensor (if any) lies on the CPU."""
+    if isinstance(out, torch.Tensor):
+        return out.is_cpu
+    if isinstance(out, (tuple, list)):
+        for x in out:
+            if isinstance(x, torch.Tensor):
+                return x.is_cpu
+    return True
 
 
 def _device_of(leaves) -> torch.device:

@@ -39,6 +39,7 @@ class Stats(Loggable):
         constant_bytes: bytes of plain tensors the managed ops read (parameters, inputs).
         core: "c++" or "python".
         oom_retries: ops rerun after the allocator ran out of memory and dtr evicted.
+        search_seconds: time spent choosing eviction victims.
     """
 
     budget_bytes: int | None
@@ -55,6 +56,7 @@ class Stats(Loggable):
     constant_bytes: int
     core: str
     oom_retries: int = 0
+    search_seconds: float = 0.0
 
     def __str__(self) -> str:
         return (
@@ -83,4 +85,5 @@ def collect(rt) -> Stats:
         constant_bytes=core.constant_bytes(),
         core=rt.core_kind,
         oom_retries=rt.oom_retries,
+        search_seconds=core.search_seconds,
     )

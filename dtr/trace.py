@@ -60,6 +60,7 @@ class TraceWriter:
             BUDGET="-1" if config.budget_bytes is None else str(config.budget_bytes),
             COST_MODEL=config.cost_model,
             STRESS="1" if config.stress else "0",
+            SEARCH_SAMPLE=str(config.search_sample),
         )
 
     def _write(self, **fields) -> None:

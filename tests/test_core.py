@@ -70,6 +70,31 @@ def test_lru_evicts_least_recently_used(Core):
     assert [core.is_materialized(t) for t in (a, b, c)] == [True, False, True]
 
 
+@pytest.mark.parametrize(
+    "b_cost, victims",
+    [
+        # A: cost 3, staleness 9; B: staleness 0.5; equal sizes. Scores (x size):
+        # dtr c/s: A 0.33, B 1.0 or 2.4; msps c: A 3, B 0.5 or 1.2;
+        # msps_sqrt c/sqrt(s): A 1.0, B 0.71 or 1.70.
+        (0.5, {"dtr": "a", "msps": "b", "msps_sqrt": "b"}),
+        (1.2, {"dtr": "a", "msps": "b", "msps_sqrt": "a"}),
+    ],
+)
+def test_msps_sqrt_weighs_staleness_by_its_square_root(Core, b_cost, victims):
+    for heuristic, want in victims.items():
+        core = Core(heuristic, 350)
+        (a,) = core.record([], 3.0, [NEW], [-1], [100])  # now 3
+        (f,) = core.record([], 8.5 - b_cost, [NEW], [-1], [100])
+        (b,) = core.record([], b_cost, [NEW], [-1], [100])  # now 11.5
+        (g,) = core.record([], 0.5, [NEW], [-1], [100])  # now 12: A 9 old, B 0.5
+        core.lock(f)
+        core.lock(g)
+        assert core.now == 12.0
+        assert core.make_room(0)
+        evicted = [name for name, t in (("a", a), ("b", b)) if not core.is_materialized(t)]
+        assert evicted == [want], heuristic
+
+
 def test_chain_recompute_in_order(Core):
     core = Core("dtr", -1)
     tids, rids, sizes = chain(core, 6)
@@ -326,25 +351,70 @@ class Program:
         )
 
 
+@pytest.mark.parametrize("sample", [0, 3], ids=["exact", "sampled"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("heuristic", HEURISTICS)
-def test_random_programs_keep_invariants(Core, heuristic, seed):
-    prog = Program(Core(heuristic, 2500, seed), seed)
+def test_random_programs_keep_invariants(Core, heuristic, seed, sample):
+    core = Core(heuristic, 2500, seed)
+    core.search_sample = sample
+    prog = Program(core, seed)
     for _ in range(300):
         prog.step()
     assert any(entry[0] == "remat" for entry in prog.log)
 
 
 @pytest.mark.skipif(CPP is PyCore, reason="the C++ core is not built")
+@pytest.mark.parametrize("sample", [0, 3], ids=["exact", "sampled"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("heuristic", HEURISTICS)
-def test_cpp_and_python_cores_decide_alike(heuristic, seed):
+def test_cpp_and_python_cores_decide_alike(heuristic, seed, sample):
     logs = []
     for impl in (PyCore, CPP):
-        prog = Program(impl(heuristic, 2500, seed), seed)
+        core = impl(heuristic, 2500, seed)
+        core.search_sample = sample
+        prog = Program(core, seed)
         for _ in range(400):
             prog.step()
         logs.append(prog.log)
     for k, (a, b) in enumerate(zip(*logs)):
         assert a == b, f"entry {k}: python {a} != c++ {b}"
     assert len(logs[0]) == len(logs[1])
+
+
+def fan(core, n):
+    """n independent outputs of sizes 100, 200, ..., n*100, all held."""
+    return [core.record([], 1.0, [NEW], [-1], [100 * (k + 1)])[0] for k in range(n)]
+
+
+def test_sampled_search_is_in_effect_and_exact_when_off(Core):
+    # size evicts the largest pool; with one sampled candidate per decision it evicts
+    # whichever the sample drew, so the order differs from largest-first.
+    orders = {}
+    for sample in (0, 1):
+        core = Core("size", -1, 7)
+        core.search_sample = sample
+        core.log_evictions(True)
+        fan(core, 40)
+        core.budget = 0
+        assert core.make_room(0)
+        orders[sample] = core.eviction_log()
+        assert core.search_seconds > 0
+    assert orders[0] == sorted(orders[0], reverse=True)  # pids follow sizes
+    assert sorted(orders[1]) == sorted(orders[0]) and orders[1] != orders[0]
+
+
+def test_sampled_search_finds_the_one_evictable_pool(Core):
+    # 199 locked pools and one evictable: a sample of 2 almost never draws it, and the
+    # exact fallback must still find it rather than report the budget as infeasible.
+    core = Core("dtr", -1, 3)
+    core.search_sample = 2
+    tids = fan(core, 200)
+    for t in tids[:-1]:
+        core.lock(t)
+    core.budget = core.resident_bytes - 1
+    assert core.make_room(0)
+    assert not core.is_materialized(tids[-1])
+    assert core.resident_bytes <= core.budget
+    core.budget = 0
+    assert not core.make_room(0)  # only locked pools are left
+    core.check()

@@ -163,6 +163,8 @@ def test_bad_env_cost_model_names_the_variable(monkeypatch):
         ("seed", True),
         ("min_evict_bytes", -3),
         ("min_evict_bytes", "1KB"),
+        ("search_sample", -1),
+        ("search_sample", 2.5),
         ("cost_model", "flops"),
         ("trace", 5),
         ("trace", ""),

@@ -6,6 +6,13 @@ evictable tensor evicted after every op, so every reuse is a recomputation). Los
 gradients after every step, parameters and buffers must be equal in every bit. The
 deterministic cost model keeps eviction decisions, and so feasibility, the same from run
 to run. All five models are feasible at 30% (see README, "What is tested").
+
+Each comparison runs on every device in ``tests.utils.DEVICES``. On CUDA the runs use
+deterministic algorithms and are compared bitwise unless a kernel without a
+deterministic implementation ran (PyTorch warns, ``tests.utils.deterministic`` records
+it); then two eager runs differ in the last bits too, and the comparison is within a few
+ulps. The check that the Python core makes the C++ core's decisions is about
+bookkeeping, which no device changes: CPU only.
 """
 
 from __future__ import annotations
@@ -15,54 +22,66 @@ import functools
 import pytest
 
 from bench.harness import mismatches, train
+from tests.utils import DEVICES, deterministic
 
 MODELS = ["mlp", "cnn", "lstm", "transformer", "tree"]
 OPTIMIZERS = ["sgd", "adam"]
 
 
-@functools.cache
-def _eager(name: str, optimizer: str):
-    return train(name, optimizer=optimizer)
+def _train(name: str, optimizer: str, device: str, dtr_kwargs: dict | None):
+    """(trajectory, exact): exact unless a nondeterministic CUDA kernel ran."""
+    with deterministic(device) as nondeterministic:
+        got = train(name, optimizer=optimizer, dtr_kwargs=dtr_kwargs, device=device)
+    return got, not nondeterministic
 
 
 @functools.cache
-def _unbudgeted(name: str, optimizer: str):
-    return train(name, optimizer=optimizer, dtr_kwargs={"cost_model": "roofline"})
+def _eager(name: str, optimizer: str, device: str):
+    return _train(name, optimizer, device, None)
 
 
-def _check(name: str, optimizer: str, dtr_kwargs: dict):
-    expected = _eager(name, optimizer)
-    got = train(name, optimizer=optimizer, dtr_kwargs=dtr_kwargs)
-    assert mismatches(expected, got) == []
+@functools.cache
+def _unbudgeted(name: str, optimizer: str, device: str):
+    return _train(name, optimizer, device, {"cost_model": "roofline"})
+
+
+def _check(name: str, optimizer: str, dtr_kwargs: dict, device: str):
+    expected, exact = _eager(name, optimizer, device)
+    got, exact_here = _train(name, optimizer, device, dtr_kwargs)
+    assert mismatches(expected, got, exact and exact_here) == []
     return got
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("name", MODELS)
-def test_unbudgeted_matches_eager(name, optimizer):
-    got = _unbudgeted(name, optimizer)
-    assert mismatches(_eager(name, optimizer), got) == []
+def test_unbudgeted_matches_eager(name, optimizer, device):
+    expected, exact = _eager(name, optimizer, device)
+    got, exact_here = _unbudgeted(name, optimizer, device)
+    assert mismatches(expected, got, exact and exact_here) == []
     assert got.stats.evictions == 0 and got.stats.remats == 0
     assert got.stats.peak_resident_bytes > 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ratio", [1.0, 0.5, 0.3])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("name", MODELS)
-def test_budget_matches_eager(name, optimizer, ratio):
-    peak = _unbudgeted(name, optimizer).stats.peak_resident_bytes
+def test_budget_matches_eager(name, optimizer, ratio, device):
+    peak = _unbudgeted(name, optimizer, device)[0].stats.peak_resident_bytes
     budget = int(peak * ratio)
-    got = _check(name, optimizer, {"budget": budget, "cost_model": "roofline"})
+    got = _check(name, optimizer, {"budget": budget, "cost_model": "roofline"}, device)
     stats = got.stats
     assert stats.peak_resident_bytes <= budget
     if ratio < 1.0:
         assert stats.evictions > 0 and stats.remats > 0, "the budget did not bind"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("name", MODELS)
-def test_stress_matches_eager(name, optimizer):
-    got = _check(name, optimizer, {"stress": True})
+def test_stress_matches_eager(name, optimizer, device):
+    got = _check(name, optimizer, {"stress": True}, device)
     assert got.stats.remats > got.stats.ops / 2, "stress mode recomputed too little"
 
 
@@ -70,11 +89,11 @@ def test_stress_matches_eager(name, optimizer):
 def test_python_core_matches_eager_at_30_percent(name, monkeypatch):
     # The same run on the pure-Python core: same results, and the same decisions as the
     # C++ core (the counters agree exactly under the deterministic cost model).
-    peak = _unbudgeted(name, "sgd").stats.peak_resident_bytes
+    peak = _unbudgeted(name, "sgd", "cpu")[0].stats.peak_resident_bytes
     kwargs = {"budget": int(peak * 0.3), "cost_model": "roofline"}
-    cpp = _check(name, "sgd", kwargs).stats
+    cpp = _check(name, "sgd", kwargs, "cpu").stats
     monkeypatch.setenv("DTR_FORCE_PYTHON", "1")
-    py = _check(name, "sgd", kwargs).stats
+    py = _check(name, "sgd", kwargs, "cpu").stats
     assert py.core == "python"
     assert (py.evictions, py.remats, py.peak_resident_bytes) == (
         cpp.evictions,

@@ -16,7 +16,7 @@ import pytest
 import dtr
 import dtr.runtime
 import dtr.sim as sim
-from bench.harness import train
+from bench.harness import mismatches, train
 from dtr.sim import program as P
 
 PROTOTYPE = sim.PROTOTYPE_DIR
@@ -184,6 +184,28 @@ def test_live_run_and_its_replay_evict_alike(name, tmp_path, logged, core):
         assert res.status == "ok"
         assert res.eviction_log == live_log
         assert (res.evictions, res.remats) == (live.stats.evictions, live.stats.remats)
+
+
+def test_sampled_victim_search_live_and_replayed_alike(tmp_path, logged, core):
+    # search_sample=4 forces sampling in a small model (the default 512 never samples
+    # here): gradients stay bitwise, decisions differ from exact search, and the trace
+    # carries the setting so that a replay samples the same candidates.
+    budget = int(_peak("transformer") * 0.4)
+    kwargs = {"budget": budget, "cost_model": "roofline"}
+    train("transformer", dtr_kwargs={**kwargs, "search_sample": 0})
+    exact_log = logged[-1].eviction_log()
+    path = str(tmp_path / "sampled.jsonl")
+    live = train("transformer", dtr_kwargs={**kwargs, "search_sample": 4, "trace": path})
+    live_log = logged[-1].eviction_log()
+    assert live_log != exact_log and live.stats.search_seconds > 0
+    assert not mismatches(train("transformer"), live)
+    prog = sim.load(path)
+    assert prog.meta["SEARCH_SAMPLE"] == "4"
+    for engine in ENGINES:
+        res = sim.simulate(prog, "dtr", budget=budget, engine=engine, log=True, thrash=0)
+        assert res.eviction_log == live_log
+    res = sim.simulate(prog, "dtr", budget=budget, log=True, thrash=0, sample=0)
+    assert res.eviction_log == exact_log
 
 
 def test_deterministic_cost_model_repeats_decisions(logged):

@@ -2,11 +2,63 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import warnings
+
 import pytest
 import torch
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+if torch.cuda.is_available():
+    # Deterministic cuBLAS (and cuDNN RNNs) need a fixed workspace configuration, which
+    # PyTorch reads once, at the process's first GEMM: set it on import, before any test
+    # has run a kernel (a value the caller exported wins).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+# What PyTorch warns, under use_deterministic_algorithms(True, warn_only=True), when an
+# op it runs has no deterministic implementation on this device.
+_NONDETERMINISTIC = "does not have a deterministic implementation"
+
+
+@contextlib.contextmanager
+def deterministic(device: str):
+    """Run what is compared (an eager run and a dtr run) inside this.
+
+    On CPU it changes nothing: the CPU kernels are deterministic, so results must be
+    bitwise equal. On CUDA it selects deterministic kernels wherever PyTorch has one
+    (``torch.use_deterministic_algorithms``, cuDNN benchmarking off), with
+    ``warn_only=True`` so that an op without one still runs. It yields a list that, when
+    the block ends, names those ops (from PyTorch's warnings): empty means every kernel
+    was deterministic and the comparison must be bitwise (``exact=not that list``)."""
+    seen: list[str] = []
+    if torch.device(device).type != "cuda":
+        yield seen
+        return
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.filterwarnings("always", message=f".*{_NONDETERMINISTIC}")
+            yield seen
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[2:]
+    for w in caught:
+        text = str(w.message)
+        if _NONDETERMINISTIC in text:
+            seen.append(text.split(_NONDETERMINISTIC)[0].strip())
+        else:  # not ours: hand it on to the filters (and pytest) as it was
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def assert_bitwise(actual, expected, what: str = "value") -> None:
@@ -14,6 +66,21 @@ def assert_bitwise(actual, expected, what: str = "value") -> None:
     assert type(actual) is torch.Tensor, f"{what}: got {type(actual).__name__}, not a plain tensor"
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
     assert torch.equal(actual, expected), f"{what} differs from eager"
+
+
+def assert_matches(actual, expected, exact: bool = True, what: str = "value") -> None:
+    """assert_bitwise when exact (always on CPU). Otherwise, for a CUDA run that used a
+    kernel without a deterministic implementation (see ``deterministic``: atomicAdd
+    reductions sum in a different order each run, so two eager runs differ in the last
+    bits too), a plain tensor of the same dtype and shape within the dtype's default
+    tolerance of torch.testing.assert_close (a few ulps: rtol 1.3e-6, atol 1e-5 for
+    float32)."""
+    if exact:
+        assert_bitwise(actual, expected, what)
+        return
+    assert type(actual) is torch.Tensor, f"{what}: got {type(actual).__name__}, not a plain tensor"
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    torch.testing.assert_close(actual, expected, msg=lambda m: f"{what} differs from eager: {m}")
 
 
 def eager_chain_grad(x: torch.Tensor, n: int, step=torch.tanh) -> torch.Tensor:

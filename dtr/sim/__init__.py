@@ -50,13 +50,16 @@ PROTOTYPE_DIR = os.path.normpath(
 _peaks: dict[int, int] = {}
 
 
-def _make_core(heuristic: str, budget: int, seed: int, engine: str):
+def _make_core(heuristic: str, budget: int, seed: int, engine: str, sample: int = 0):
     if heuristic not in HEURISTICS:
         raise ConfigError(f"dtr: unknown heuristic {heuristic!r}; valid: {', '.join(HEURISTICS)}")
     if engine == "python":
-        return PyCore(heuristic, budget, seed)
-    cls, kind = core_class(False)
-    return cls(heuristic, budget, seed)
+        core = PyCore(heuristic, budget, seed)
+    else:
+        cls, kind = core_class(False)
+        core = cls(heuristic, budget, seed)
+    core.search_sample = sample
+    return core
 
 
 def peak(prog: program.Program, engine: str = "c++") -> int:
@@ -78,11 +81,20 @@ def simulate(
     seed: int = 0,
     engine: str = "c++",
     log: bool = False,
+    sample: int | None = None,
 ) -> Result:
     """Replay prog under heuristic with a budget in bytes, or ratio x the unconstrained
     peak (budget=-1 or neither: unlimited). engine: "c++" (the compiled replay loop
     driving the C++ core), "python" (the Python driver on the pure-Python core) or
-    "python+c++core" (the Python driver on the C++ core)."""
+    "python+c++core" (the Python driver on the C++ core). sample: the runtime's
+    search_sample option (the best of `sample` random candidates when more are
+    evictable; 0: exact search); None takes the value the trace was recorded with, or 0
+    (exact, as the paper's simulator) for the prototype's traces."""
+    if sample is None:
+        raw = prog.meta.get("SEARCH_SAMPLE", "0")
+        if not str(raw).isdigit():
+            raise TraceError(f"dtr: {prog.name}: SEARCH_SAMPLE {raw!r} in START is not an int")
+        sample = int(raw)
     if ratio is not None:
         if budget is not None:
             raise ConfigError("dtr: give a budget or a ratio, not both")
@@ -91,7 +103,7 @@ def simulate(
         budget = int(peak(prog, "python" if engine == "python" else "c++") * ratio)
     if budget is None:
         budget = -1
-    core = _make_core(heuristic, budget, seed, "python" if engine == "python" else "c++")
+    core = _make_core(heuristic, budget, seed, "python" if engine == "python" else "c++", sample)
     if engine == "c++" and hasattr(type(core), "replay"):
         return _cpp_replay(prog, core, stress, thrash, log)
     return replay(prog, core, stress, thrash, log)

@@ -71,12 +71,23 @@ def main(argv=None) -> int:
         help="stop when total compute exceeds this x the baseline (0: never)",
     )
     parser.add_argument("--engine", choices=["c++", "python", "python+c++core"], default="c++")
+    parser.add_argument(
+        "--sample",
+        type=int,
+        default=None,
+        help="victim search: best of N sampled candidates when more are evictable (0: exact; "
+        "default: as the trace was recorded, exact for the prototype's traces)",
+    )
     args = parser.parse_args(argv)
     try:
         path = find_trace(args.trace, args.traces)
         mode = {"auto": None, "prototype": program.PROTOTYPE, "live": program.LIVE}[args.mode]
         prog = load(path, mode)
-        common = dict(stress=args.stress, thrash=args.thrash, engine=args.engine)
+        if args.sample is not None and args.sample < 0:
+            raise DTRError(f"dtr: --sample must be >= 0, got {args.sample}")
+        common = dict(
+            stress=args.stress, thrash=args.thrash, engine=args.engine, sample=args.sample
+        )
         if args.sweep:
             for heuristic in HEURISTICS:
                 for ratio in SWEEP_RATIOS:
