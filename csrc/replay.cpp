@@ -23,6 +23,7 @@ enum Op : int64_t {
   kExport = 9,
   kBackward = 10,
   kEnd = 11,
+  kReserve = 12,
 };
 
 struct Stop {
@@ -86,6 +87,11 @@ class Replayer {
           pc += 2 + k;
           break;
         }
+        case kReserve:
+          // the live runtime made room for an op's outputs before running it
+          if (core_.budget >= 0) core_.make_room(code[pc + 1]);
+          pc += 2;
+          break;
         case kInvalidate: {
           const int64_t k = code[pc + 1];
           std::vector<int64_t> seeds;

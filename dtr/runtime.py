@@ -25,6 +25,7 @@ from .config import DTRConfig
 from .errors import BudgetError, DTRError, InternalError, UnsupportedError
 from .protocol import Driver
 from .recipe import VERSION_SPEC, Recipe, StandIn, copy_preserving_layout
+from .reserve import OutputSizes
 from .schema import OpFacts, op_facts
 from .steps import StepTracker
 from .tensor import CheckpointTensor, Node, Ref
@@ -62,6 +63,7 @@ class _Op:
         "extra",
         "fresh",
         "inputs",
+        "key",
     )
 
     def __init__(self, func, facts: OpFacts, call: Call):
@@ -80,6 +82,7 @@ class _Op:
         self.extra: list[int] = []  # core inputs beyond the leaves (the RNG state)
         self.fresh: list[int] = []  # constants first registered for this call
         self.inputs: list[int] | None = None  # the core inputs of the recorded recipe
+        self.key: tuple | None = None  # its OutputSizes key, when sizes are learned
 
 
 class Runtime(Driver):
@@ -103,6 +106,7 @@ class Runtime(Driver):
         self._token = object()
         self.trace = TraceWriter(config.trace, config) if config.trace else None
         self.timeline = Recorder(config.timeline) if config.timeline else None
+        self.sizes = OutputSizes()
         # the session's peak_bytes and max_bytes before the last take_step_peak()
         self.peak_carry = self.max_carry = 0
         # (peak, max transient) when close() lifted the budget: materializing what the
@@ -186,9 +190,12 @@ class Runtime(Driver):
         if writes:
             op.written = [k for k in range(n) if call.positions[k] in writes]
         managed = [k for k in range(n) if op.nodes[k] is not None]
+        reserve = 0
+        if core.budget >= 0 or self.trace is not None:
+            op.key, reserve = self.sizes.predict(func, call.leaves)
         if self.trace is not None:
             self.trace.phase(torch._C._current_graph_task_id() != -1)
-            self.trace.inputs([op.nodes[k].label for k in managed])
+            self.trace.inputs([op.nodes[k].label for k in managed], reserve)
         locked: list[int] = []
         recorded = False
         try:
@@ -197,6 +204,11 @@ class Runtime(Driver):
                 locked.append(op.tids[k])
             for k in managed:
                 op.vals[k] = self._value(op.nodes[k])
+            if reserve and core.budget >= 0:
+                # Room for the outputs before they exist (dtr/reserve.py); if it cannot
+                # be made, the op boundary after the op reports the budget.
+                core.make_room(reserve)
+                self.drain()
             self._prepare_writes(op)
             if facts.seeded:
                 gen = call.argument(facts, facts.generator) if facts.generator >= 0 else None
@@ -364,6 +376,8 @@ class Runtime(Driver):
                 nbytes.append(o.untyped_storage().nbytes())
             specs.append((i, j))
             produced.append(o)
+        if op.key is not None:
+            self.sizes.learn(op.key, sum(nbytes))
         if not kinds:
             if self.trace is not None:
                 self._trace_call(op, [], [], [])
@@ -454,13 +468,14 @@ class Runtime(Driver):
             core.check()
 
     # ================================================================== steps
-    def take_step_peak(self) -> int:
-        """The peak since the last step ended; the session's peak is kept in peak_carry."""
-        peak = self.core.peak_bytes
+    def take_step_peak(self) -> tuple[int, int]:
+        """(peak, max transient) since the last step ended; the session's are kept in
+        peak_carry and max_carry."""
+        peak, transient = self.core.peak_bytes, self.core.max_bytes
         self.peak_carry = max(self.peak_carry, peak)
-        self.max_carry = max(self.max_carry, self.core.max_bytes)
+        self.max_carry = max(self.max_carry, transient)
         self.core.reset_peak()
-        return peak
+        return peak, transient
 
     def session_peak(self) -> int:
         if self.closing_peaks is not None:

@@ -31,6 +31,8 @@ class StepStats(Loggable):
         step: 1 for the first step of the session.
         ops, evictions, remats, recompute_seconds: during this step.
         peak_resident_bytes: the largest resident count at an op boundary in this step.
+        max_transient_bytes: the largest at any point of this step, an op's fresh
+            outputs before eviction included.
         resident_bytes: resident bytes when the step ended.
         budget_bytes: the budget then (None: unlimited).
         seconds: wall time of the step.
@@ -42,6 +44,7 @@ class StepStats(Loggable):
     remats: int
     recompute_seconds: float
     peak_resident_bytes: int
+    max_transient_bytes: int
     resident_bytes: int
     budget_bytes: int | None
     seconds: float
@@ -78,13 +81,15 @@ class StepTracker:
         rt = self.runtime
         now = self._counters()
         ops, evictions, remats, seconds, wall = (b - a for a, b in zip(self._mark, now))
+        peak, transient = rt.take_step_peak()
         step = StepStats(
             step=len(self.history) + 1,
             ops=ops,
             evictions=evictions,
             remats=remats,
             recompute_seconds=seconds,
-            peak_resident_bytes=rt.take_step_peak(),
+            peak_resident_bytes=peak,
+            max_transient_bytes=transient,
             resident_bytes=rt.core.resident_bytes,
             budget_bytes=rt.config.budget_bytes,
             seconds=wall,

@@ -24,7 +24,9 @@ Extensions (only in traces dtr writes):
 - ``ALIAS`` with ``"VERSION":"1"``: the result is the in-place update of ``ARGS[k]``; it
   takes over that tensor's storage and handles (the old value keeps its lineage).
 - ``INPUTS`` ``ARGS``: the managed inputs of the next CALL are locked and materialized now
-  (before the constants and invalidations its preparation adds).
+  (before the constants and invalidations its preparation adds). With ``RESERVE`` n
+  (bytes): then, under a budget, room for n more bytes is made (the size the same op on
+  the same input shapes allocated last time; dtr/reserve.py).
 - ``INVALIDATE`` ``ARGS``: these tensors are about to be written in place without keeping
   their lineage; whatever the program holds that reads them is materialized and pinned.
 - ``READ`` x: the program read x's value (``.item()``, ``repr``, ...).
@@ -77,8 +79,11 @@ class TraceWriter:
         self._write(INSTRUCTION="CONSTANT", NAME=name)
         self._write(INSTRUCTION="MEMORY", NAME=name, MEMORY=str(nbytes))
 
-    def inputs(self, names: list[str]) -> None:
-        self._write(INSTRUCTION="INPUTS", ARGS=names)
+    def inputs(self, names: list[str], reserve: int = 0) -> None:
+        if reserve:
+            self._write(INSTRUCTION="INPUTS", ARGS=names, RESERVE=str(reserve))
+        else:
+            self._write(INSTRUCTION="INPUTS", ARGS=names)
 
     def invalidate(self, names: list[str]) -> None:
         self._write(INSTRUCTION="INVALIDATE", ARGS=names)

@@ -139,6 +139,11 @@ class Replay(Driver):
                 for t in tids:
                     self.rematerialize_if_needed(t)
                 pc += 2 + k
+            elif op == P.RESERVE:
+                # the live runtime made room for an op's outputs before running it
+                if core.budget >= 0:
+                    core.make_room(code[pc + 1])
+                pc += 2
             elif op == P.INVALIDATE:
                 k = code[pc + 1]
                 self.invalidate([slots[s] for s in code[pc + 2 : pc + 2 + k]])

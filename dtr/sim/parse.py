@@ -105,6 +105,10 @@ class _Compiler:
             elif instr in ("INPUTS", "INVALIDATE"):
                 args = [self.slot(number, a) for a in r["ARGS"]]
                 self.code += [P.INPUTS if instr == "INPUTS" else P.INVALIDATE, len(args), *args]
+                if "RESERVE" in r:
+                    if not str(r["RESERVE"]).isdigit():
+                        self.fail(number, f"RESERVE {r['RESERVE']!r} is not a byte count")
+                    self.code += [P.RESERVE, int(r["RESERVE"])]
             elif instr in ("READ", "EXPORT"):
                 self.code += [P.READ if instr == "READ" else P.EXPORT, self.slot(number, r["NAME"])]
             elif instr == "ANNOTATE":

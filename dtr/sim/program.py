@@ -12,6 +12,7 @@ CALL           cost index, n, args..., m, (slot, kind, arg index, nbytes) x m, f
 MUTATE         cost index, n, args..., m, (arg index, new slot) x m        (prototype)
 COPY_FROM      dst, src                        (dst's handle moves to src's tensor)
 INPUTS         n, slots...                     (live: lock and materialize)
+RESERVE        nbytes                          (live: make room for an op's outputs)
 INVALIDATE     n, slots...                     (live)
 READ           slot
 EXPORT         slot
@@ -27,7 +28,7 @@ import dataclasses
 import numpy as np
 
 CONST, COPY, RELEASE, CALL, MUTATE, COPY_FROM, INPUTS, INVALIDATE, READ, EXPORT = range(10)
-BACKWARD, END = 10, 11
+BACKWARD, END, RESERVE = 10, 11, 12
 
 # Replay semantics: the paper's simulator (evict before an op for its outputs, in-place
 # updates as copies), or dtr's live runtime (evict after an op, in-place updates as
