@@ -449,6 +449,7 @@ def test_held_tensors_rebuilt_before_a_parameter_update(monkeypatch):
     # eviction pattern it needs is the one without room made before the second add
     # (dtr/reserve.py), so that is switched off here.
     monkeypatch.setattr(dtr.reserve.OutputSizes, "predict", lambda self, f, leaves: ((f,), 0))
+
     def program(w):
         a = w.cos()
         b = a + w
