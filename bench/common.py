@@ -65,6 +65,33 @@ def timed_steps(
     return Run(times, session.stats() if dtr_kwargs is not None else None)
 
 
+def profiled_peak(prof) -> int:
+    """The largest sum of allocations minus frees in a torch.profiler run (its memory
+    events): an independent measure of a step's peak."""
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def state_bytes(model, opt, batch) -> int:
+    """Bytes alive before a step: parameters, optimizer state, the batch."""
+    total = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    total += sum(
+        t.untyped_storage().nbytes()
+        for s in opt.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+    return total + sum(t.untyped_storage().nbytes() for t in batch)
+
+
 def eager_peak_bytes(name: str, scale: int, optimizer: str = "adam") -> int:
     """Peak bytes of an eager training step by torch.profiler's allocation events (an
     independent measure), plus the parameters, gradients and optimizer state that exist
@@ -76,28 +103,12 @@ def eager_peak_bytes(name: str, scale: int, optimizer: str = "adam") -> int:
     spec.loss(model, data[0]).backward()  # creates optimizer state
     opt.step()
     opt.zero_grad()
-    before = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    before += sum(
-        t.untyped_storage().nbytes()
-        for s in opt.state.values()
-        for t in s.values()
-        if isinstance(t, torch.Tensor)
-    )
-    before += sum(t.untyped_storage().nbytes() for t in data[1])
+    before = state_bytes(model, opt, data[1])
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         spec.loss(model, data[1]).backward()
         opt.step()
         opt.zero_grad()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return before + peak
+    return before + profiled_peak(prof)
 
 
 def mib(nbytes: float) -> str:

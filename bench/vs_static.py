@@ -104,7 +104,15 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import dtr
 from dtr.plot import step_time_vs_memory
 
-from .common import BENCH_SCALE, RESULTS, mib, print_table, write_csv
+from .common import (
+    BENCH_SCALE,
+    RESULTS,
+    mib,
+    print_table,
+    profiled_peak,
+    state_bytes,
+    write_csv,
+)
 from .harness import make_optimizer
 from .models import MODELS, batches, build
 
@@ -335,33 +343,6 @@ def _static_setting(name: str, mode: str) -> str:
 # --- one measured run ---------------------------------------------------------------------
 
 
-def profiled_peak(prof) -> int:
-    """The largest sum of allocations minus frees in a torch.profiler run (memory
-    events), as bench.common.eager_peak_bytes computes it."""
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
-def _resident(model, opt, batch) -> int:
-    """Bytes alive before a step: parameters, optimizer state, the batch."""
-    total = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    total += sum(
-        t.untyped_storage().nbytes()
-        for s in opt.state.values()
-        for t in s.values()
-        if isinstance(t, torch.Tensor)
-    )
-    return total + sum(t.untyped_storage().nbytes() for t in batch)
-
-
 def _step(loss_fn, batch, opt) -> None:
     loss = loss_fn(batch)
     loss.backward()
@@ -424,7 +405,7 @@ def measure(
                     cpu.append(elapsed_cpu)
             if session is not None:
                 session.reset_peak()
-            before = _resident(model, opt, data[-1])
+            before = state_bytes(model, opt, data[-1])
             prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             with _quiet_stderr():
                 prof.start()

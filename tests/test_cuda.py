@@ -25,7 +25,7 @@ from torch import nn
 import dtr
 import dtr.device
 from bench.harness import mismatches, train
-from tests.utils import assert_matches, deterministic
+from tests.utils import assert_matches, deterministic, eager_and_dtr
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"
@@ -36,22 +36,8 @@ MiB = 2**20
 STRESS = {"stress": True, "check": True}
 
 
-def _run(fn, **kwargs):
-    """fn() eagerly and under dtr.enable(**kwargs), each after torch.manual_seed(0) (which
-    seeds the CUDA generators too); returns (eager, dtr, stats, exact)."""
-    with deterministic(DEV) as nondeterministic:
-        torch.manual_seed(0)
-        expected = fn()
-        torch.manual_seed(0)
-        with dtr.enable(**kwargs) as session:
-            got = fn()
-            got = [dtr.materialize(t) if isinstance(t, torch.Tensor) else t for t in got]
-        torch.cuda.synchronize()
-    return expected, got, session.stats(), not nondeterministic
-
-
 def _check(fn, **kwargs):
-    expected, got, stats, exact = _run(fn, **kwargs)
+    expected, got, stats, exact = eager_and_dtr(fn, DEV, **kwargs)
     assert len(got) == len(expected)
     for i, (e, g) in enumerate(zip(expected, got)):
         assert_matches(g, e, exact, f"value {i}")

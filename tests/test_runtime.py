@@ -22,26 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import dtr
-from tests.utils import DEVICES, assert_matches, deterministic, eager_chain_grad
-
-
-def _run(fn, device, **kwargs):
-    """fn() eagerly and under dtr with the same RNG seed (torch.manual_seed seeds every
-    device); returns (eager, dtr, stats, exact): exact unless a CUDA kernel without a
-    deterministic implementation ran."""
-    with deterministic(device) as nondeterministic:
-        torch.manual_seed(0)
-        expected = fn()
-        torch.manual_seed(0)
-        with dtr.enable(**kwargs) as session:
-            got = fn()
-            got = [dtr.materialize(t) if isinstance(t, torch.Tensor) else t for t in got]
-    return expected, got, session.stats(), not nondeterministic
+from tests.utils import DEVICES, assert_matches, deterministic, eager_and_dtr, eager_chain_grad
 
 
 def _check(fn, device, **kwargs):
     """_run, then every value fn returned equals eager's (bitwise where exact)."""
-    expected, got, stats, exact = _run(fn, device, **kwargs)
+    expected, got, stats, exact = eager_and_dtr(fn, device, **kwargs)
     assert len(got) == len(expected)
     for i, (e, g) in enumerate(zip(expected, got)):
         assert_matches(g, e, exact, f"value {i}")

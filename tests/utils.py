@@ -61,6 +61,24 @@ def deterministic(device: str):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
+def eager_and_dtr(fn, device, **kwargs):
+    """fn() eagerly and under dtr.enable(**kwargs), each after torch.manual_seed(0) (which
+    seeds every device's generator); returns (eager, dtr, stats, exact): exact unless a
+    CUDA kernel without a deterministic implementation ran."""
+    import dtr
+
+    with deterministic(device) as nondeterministic:
+        torch.manual_seed(0)
+        expected = fn()
+        torch.manual_seed(0)
+        with dtr.enable(**kwargs) as session:
+            got = fn()
+            got = [dtr.materialize(t) if isinstance(t, torch.Tensor) else t for t in got]
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+    return expected, got, session.stats(), not nondeterministic
+
+
 def assert_bitwise(actual, expected, what: str = "value") -> None:
     """Equal in every bit, and plain tensors (not dtr wrappers)."""
     assert type(actual) is torch.Tensor, f"{what}: got {type(actual).__name__}, not a plain tensor"
