@@ -3,10 +3,13 @@
 For small ops (64x64 add, matmul, relu, a view, an in-place add) on managed tensors:
 eager time per op, dtr's with no budget and under a budget (a budget is checked at every
 op boundary; here nothing is evicted, so this is the price of the check), side by side in
-one process, medians of several repeats. Then a profile of dtr's path for the add, split
-into: the kernel itself (what eager pays), dtr's Python dispatch and bookkeeping, calls
-into the core, and the victim search (make_room). Then a full training step of each
-bench model with no budget against eager. Writes bench/results/overhead.csv.
+one process, medians of several repeats. Then the add through each layer of the Python
+route without dtr's bookkeeping (a no-op dispatch mode, a no-op wrapper subclass): the
+floor of any design that keeps Python dispatch. Then a profile of dtr's path for the
+add, split into: the kernel itself (what eager pays), dtr's Python dispatch and
+bookkeeping, calls into the core, and the victim search (make_room). Then a full
+training step of each bench model with no budget against eager. Writes
+bench/results/overhead.csv.
 
     python -m bench.overhead            # about a minute
 """
@@ -21,6 +24,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtr
 
@@ -76,6 +80,58 @@ def small_ops(n: int, repeats: int) -> list[dict]:
                 budget_added_us=timings["budget"] - eager,
             )
         )
+    return rows
+
+
+class _NoopMode(TorchDispatchMode):
+    """A dispatch mode that only runs the op: the Python route's price without dtr."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as dtr's own mode (no per-op torch._disable_dynamo wrapper)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass that unwraps, runs the op and wraps the result: the least any
+    wrapper-tensor design pays per op in Python."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, inner, requires_grad=False):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            inner.size(),
+            strides=inner.stride(),
+            dtype=inner.dtype,
+            device=inner.device,
+            requires_grad=requires_grad,
+        )
+        t.inner = inner
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        vals = [t.inner if isinstance(t, _Wrapper) else t for t in args]
+        out = func(*vals, **(kwargs or {}))
+        return _Wrapper(out) if isinstance(out, torch.Tensor) else out
+
+
+def floors(n: int, repeats: int) -> list[dict]:
+    """What a 64x64 add costs through each layer of the Python route, without dtr's
+    bookkeeping: the floor any design that keeps Python dispatch cannot go below."""
+    fn = SMALL_OPS["add 64x64"]
+    x, w = _inputs(False)
+    rows = [dict(route="eager", us=_per_op_us(fn, x, w, n, repeats))]
+    with _NoopMode():
+        rows.append(dict(route="no-op dispatch mode", us=_per_op_us(fn, x, w, n, repeats)))
+    leaf = _Wrapper(torch.randn(64, 64), requires_grad=True)
+    rows.append(dict(route="no-op wrapper subclass", us=_per_op_us(fn, leaf * 1, w, n, repeats)))
+    with dtr.enable():
+        rows.append(dict(route="dtr, no budget", us=_per_op_us(fn, *_inputs(False), n, repeats)))
     return rows
 
 
@@ -159,6 +215,10 @@ def main(argv=None) -> None:
     ]
     print_table(header, table)
 
+    floor_rows = floors(args.n, args.repeats)
+    print("\na managed 64x64 add through each layer of the Python route (medians; one thread)")
+    print_table(["route", "us per op"], [[r["route"], f"{r['us']:.1f}"] for r in floor_rows])
+
     parts = breakdown(args.n)
     print("\nwhere a managed 64x64 add's time goes (cProfile tottime; profiling inflates Python)")
     print_table(
@@ -187,6 +247,7 @@ def main(argv=None) -> None:
     rows = [["small_op", r["op"], "eager_us", r["eager_us"]] for r in ops]
     rows += [["small_op", r["op"], "dtr_us", r["dtr_us"]] for r in ops]
     rows += [["small_op", r["op"], "budget_us", r["budget_us"]] for r in ops]
+    rows += [["floor", r["route"], "us_per_op", r["us"]] for r in floor_rows]
     rows += [["breakdown", p["part"], "us_per_op", p["us_per_op"]] for p in parts]
     rows += [["step", r["model"], "eager_ms", r["eager_ms"]] for r in model_rows]
     rows += [["step", r["model"], "dtr_ms", r["dtr_ms"]] for r in model_rows]

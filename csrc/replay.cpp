@@ -89,7 +89,8 @@ class Replayer {
         }
         case kReserve:
           // the live runtime made room for an op's outputs before running it
-          if (core_.budget >= 0) core_.make_room(code[pc + 1]);
+          if (core_.budget >= 0 && core_.resident_bytes + code[pc + 1] > core_.budget)
+            core_.make_room(code[pc + 1]);
           pc += 2;
           break;
         case kInvalidate: {

@@ -204,7 +204,7 @@ class Runtime(Driver):
                 locked.append(op.tids[k])
             for k in managed:
                 op.vals[k] = self._value(op.nodes[k])
-            if reserve and core.budget >= 0:
+            if reserve and 0 <= core.budget < core.resident_bytes + reserve:
                 # Room for the outputs before they exist (dtr/reserve.py); if it cannot
                 # be made, the op boundary after the op reports the budget.
                 core.make_room(reserve)

@@ -25,8 +25,9 @@ Extensions (only in traces dtr writes):
   takes over that tensor's storage and handles (the old value keeps its lineage).
 - ``INPUTS`` ``ARGS``: the managed inputs of the next CALL are locked and materialized now
   (before the constants and invalidations its preparation adds). With ``RESERVE`` n
-  (bytes): then, under a budget, room for n more bytes is made (the size the same op on
-  the same input shapes allocated last time; dtr/reserve.py).
+  (bytes): then, under a budget that resident + n would exceed, room for n more bytes
+  is made (the size the same op on the same input shapes allocated last time;
+  dtr/reserve.py).
 - ``INVALIDATE`` ``ARGS``: these tensors are about to be written in place without keeping
   their lineage; whatever the program holds that reads them is materialized and pinned.
 - ``READ`` x: the program read x's value (``.item()``, ``repr``, ...).

@@ -141,7 +141,7 @@ class Replay(Driver):
                 pc += 2 + k
             elif op == P.RESERVE:
                 # the live runtime made room for an op's outputs before running it
-                if core.budget >= 0:
+                if 0 <= core.budget < core.resident_bytes + code[pc + 1]:
                     core.make_room(code[pc + 1])
                 pc += 2
             elif op == P.INVALIDATE:
