@@ -65,9 +65,9 @@ def timed_steps(
     return Run(times, session.stats() if dtr_kwargs is not None else None)
 
 
-def profiled_peak(prof) -> int:
-    """The largest sum of allocations minus frees in a torch.profiler run (its memory
-    events): an independent measure of a step's peak."""
+def profiled_bytes(prof) -> tuple[int, int]:
+    """(allocations minus frees at the end, their largest sum at any point) in a
+    torch.profiler run's memory events: an independent measure of memory in use."""
     events = sorted(
         (e.start_ns(), e.nbytes())
         for e in prof.profiler.kineto_results.events()
@@ -77,7 +77,13 @@ def profiled_peak(prof) -> int:
     for _, nbytes in events:
         live += nbytes
         peak = max(peak, live)
-    return peak
+    return live, peak
+
+
+def profiled_peak(prof) -> int:
+    """The largest sum of allocations minus frees in a torch.profiler run: an
+    independent measure of a step's peak."""
+    return profiled_bytes(prof)[1]
 
 
 def state_bytes(model, opt, batch) -> int:

@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import dtr
 import dtr.reserve
+from bench.common import profiled_bytes
 from bench.harness import train
 from bench.models import MODELS, batches, build
 
@@ -32,15 +33,7 @@ def _profiled_forward(name: str, dtr_kwargs: dict):
             loss = spec.loss(model, batch)
             stats = session.stats()
         del loss
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
+    live, peak = profiled_bytes(prof)
     return live, peak, stats.resident_bytes - before, stats.max_transient_bytes - before, stats
 
 
