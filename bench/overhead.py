@@ -17,6 +17,7 @@ bench/results/overhead.csv.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import os
 import pstats
@@ -27,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtr
+import dtr.runtime
 
 from .common import RESULTS, print_table, timed_steps, write_csv
 
@@ -37,6 +39,19 @@ SMALL_OPS = {
     "view": lambda x, w: x.view(-1),
     "in-place add_": lambda x, w: x.add_(w),
 }
+
+
+@contextlib.contextmanager
+def python_path(on: bool = True):
+    """Sessions started inside serve every op through Runtime.handle (dtr's Python
+    path) instead of the C++ fast path: the two side by side."""
+    saved = dtr.runtime.FAST_PATH
+    if on:
+        dtr.runtime.FAST_PATH = False
+    try:
+        yield
+    finally:
+        dtr.runtime.FAST_PATH = saved
 
 
 def _per_op_us(fn, x, w, n: int, repeats: int) -> float:
@@ -66,8 +81,12 @@ def small_ops(n: int, repeats: int) -> list[dict]:
         in_place = name.startswith("in-place")
         eager = _per_op_us(fn, *_inputs(in_place), n, repeats)
         timings = {}
-        for label, budget in (("no budget", None), ("budget", "1GiB")):
-            with dtr.enable(budget=budget):
+        for label, budget, fast in (
+            ("no budget", None, True),
+            ("budget", "1GiB", True),
+            ("python path", None, False),
+        ):
+            with python_path(not fast), dtr.enable(budget=budget):
                 timings[label] = _per_op_us(fn, *_inputs(in_place), n, repeats)
         rows.append(
             dict(
@@ -78,6 +97,7 @@ def small_ops(n: int, repeats: int) -> list[dict]:
                 ratio=timings["no budget"] / eager,
                 budget_us=timings["budget"],
                 budget_added_us=timings["budget"] - eager,
+                python_us=timings["python path"],
             )
         )
     return rows
@@ -130,13 +150,18 @@ def floors(n: int, repeats: int) -> list[dict]:
         rows.append(dict(route="no-op dispatch mode", us=_per_op_us(fn, x, w, n, repeats)))
     leaf = _Wrapper(torch.randn(64, 64), requires_grad=True)
     rows.append(dict(route="no-op wrapper subclass", us=_per_op_us(fn, leaf * 1, w, n, repeats)))
+    with python_path(), dtr.enable():
+        rows.append(dict(route="dtr, Python path", us=_per_op_us(fn, *_inputs(False), n, repeats)))
     with dtr.enable():
-        rows.append(dict(route="dtr, no budget", us=_per_op_us(fn, *_inputs(False), n, repeats)))
+        us = _per_op_us(fn, *_inputs(False), n, repeats)
+        rows.append(dict(route="dtr, C++ fast path", us=us))
     return rows
 
 
 def _category(func: tuple) -> str:
     filename, _, name = func
+    if "FastPath" in name:
+        return "C++ fast path (bookkeeping, kernel)"
     if "make_room" in name or "evict" in name:
         return "victim search"
     if "dtr._C" in name or "_pycore" in filename or "Core" in name:
@@ -174,12 +199,15 @@ def steps(models: list[str], n: int) -> list[dict]:
     for name in models:
         eager = timed_steps(name, 1, n, 2, None)
         free = timed_steps(name, 1, n, 2, {})
+        with python_path():
+            slow = timed_steps(name, 1, n, 2, {})
         rows.append(
             dict(
                 model=name,
                 eager_ms=eager.median * 1e3,
                 dtr_ms=free.median * 1e3,
                 ratio=free.median / eager.median,
+                python_ratio=slow.median / eager.median,
                 ops=free.stats.ops // (n + 2),
                 added_us_per_op=(free.median - eager.median) / (free.stats.ops / (n + 2)) * 1e6,
             )
@@ -199,7 +227,16 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)  # small ops: thread start-up would dominate and add noise
 
     ops = small_ops(args.n, args.repeats)
-    header = ["op", "eager us", "dtr us", "added us", "ratio", "under budget us", "added us"]
+    header = [
+        "op",
+        "eager us",
+        "dtr us",
+        "added us",
+        "ratio",
+        "under budget us",
+        "added us",
+        "Python path us",
+    ]
     print("\nsmall ops on managed tensors (median of repeats; one thread)")
     table = [
         [
@@ -210,6 +247,7 @@ def main(argv=None) -> None:
             f"{r['ratio']:.1f}x",
             f"{r['budget_us']:.1f}",
             f"{r['budget_added_us']:.1f}",
+            f"{r['python_us']:.1f}",
         ]
         for r in ops
     ]
@@ -229,13 +267,14 @@ def main(argv=None) -> None:
     model_rows = steps(args.models, args.steps)
     print("\ntraining steps (test-size models, Adam), no budget vs eager")
     print_table(
-        ["model", "eager ms", "dtr ms", "ratio", "ops/step", "added us/op"],
+        ["model", "eager ms", "dtr ms", "ratio", "Python path ratio", "ops/step", "added us/op"],
         [
             [
                 r["model"],
                 f"{r['eager_ms']:.1f}",
                 f"{r['dtr_ms']:.1f}",
                 f"{r['ratio']:.2f}x",
+                f"{r['python_ratio']:.2f}x",
                 r["ops"],
                 f"{r['added_us_per_op']:.1f}",
             ]
@@ -247,10 +286,12 @@ def main(argv=None) -> None:
     rows = [["small_op", r["op"], "eager_us", r["eager_us"]] for r in ops]
     rows += [["small_op", r["op"], "dtr_us", r["dtr_us"]] for r in ops]
     rows += [["small_op", r["op"], "budget_us", r["budget_us"]] for r in ops]
+    rows += [["small_op", r["op"], "python_path_us", r["python_us"]] for r in ops]
     rows += [["floor", r["route"], "us_per_op", r["us"]] for r in floor_rows]
     rows += [["breakdown", p["part"], "us_per_op", p["us_per_op"]] for p in parts]
     rows += [["step", r["model"], "eager_ms", r["eager_ms"]] for r in model_rows]
     rows += [["step", r["model"], "dtr_ms", r["dtr_ms"]] for r in model_rows]
+    rows += [["step", r["model"], "python_path_ratio", r["python_ratio"]] for r in model_rows]
     write_csv(path, ["kind", "name", "metric", "value"], [[*r[:3], f"{r[3]:.4g}"] for r in rows])
     print(f"\nwrote {path}")
 

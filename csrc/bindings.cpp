@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "core.h"
+#include "fastpath.h"
 #include "replay.h"
 
 namespace py = pybind11;
@@ -80,4 +81,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("eager_evictions", &dtr::Core::eager_evictions)
       .def_readwrite("search_sample", &dtr::Core::search_sample)
       .def_readonly("search_seconds", &dtr::Core::search_seconds);
+  dtr::bind_fastpath(m);
 }

@@ -39,6 +39,8 @@ class Recipe:
     def __init__(
         self, func, facts, args, kwargs, where, inputs, clone, specs, captured, grad: bool
     ):
+        # csrc/fastpath.cpp (new_recipe) fills these slots itself for ops without a
+        # non_blocking argument: change both.
         self.func = func
         self.facts = facts
         k = facts.arg_index.get("non_blocking")

@@ -10,8 +10,10 @@ this module holds the values and executes recipes. Numbered invariants: ``dtr/NO
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 import time
+import types
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -35,6 +37,10 @@ from .units import format_bytes
 
 aten = torch.ops.aten
 _perf = time.perf_counter
+
+# Whether sessions on the C++ core serve common ops through the C++ fast path
+# (csrc/fastpath.cpp). Tests and benchmarks turn it off to compare it with handle().
+FAST_PATH = True
 
 
 @contextlib.contextmanager
@@ -114,6 +120,8 @@ class Runtime(Driver):
         self.closing_peaks: tuple[int, int] | None = None
         self._stealing: tuple[Recipe, list[int]] | None = None  # see rematerialize()
         self.steps = StepTracker(self)
+        # What the dispatch mode calls for every op: the C++ fast path, or handle().
+        self.dispatch = self._fast_path() or self.handle
         if config.log_steps:
             # A step ends at every optimizer.step() while the session is open.
             self.hooks.append(
@@ -121,6 +129,44 @@ class Runtime(Driver):
             )
 
     # ================================================================== entry
+    def _fast_path(self):
+        """The per-op fast path in C++ (csrc/fastpath.cpp), which serves the common op
+        with the same core calls as handle() and hands every other op to it. Only with
+        the C++ core, and without a trace or timeline (those are written here)."""
+        if not FAST_PATH or self.core_kind != "c++":
+            return None
+        if self.trace is not None or self.timeline is not None:
+            return None
+        _C = importlib.import_module("dtr._C")
+        return _C.FastPath(
+            self, _FAST_TYPES, self.config.stress, self.config.check, self.model_cost
+        )
+
+    def fast_route(self, func) -> tuple[OpFacts, bool, int, bool]:
+        """How the fast path may serve func's calls, asked once per op overload:
+        (facts, whether calls on managed tensors may run there (it writes no argument,
+        draws no random numbers and needs none of handle()'s special cases), what calls
+        on plain tensors only may do there (_PLAIN_*), whether it is detach)."""
+        facts = op_facts(func)
+        managed = not (
+            facts.writes
+            or facts.hidden_writes is not None
+            or facts.seeded
+            or facts.meta_only
+            or facts.view_inplace is not None
+            or facts.metadata_inplace
+            or facts.collective
+            or facts.plain_returns
+            or func in _SPECIAL
+        )
+        if facts.collective or facts.hidden_writes is not None or func in _SPECIAL:
+            plain = _PLAIN_NO
+        elif facts.writes:
+            plain = _PLAIN_WRITE if facts.view_inplace is None else _PLAIN_NO
+        else:
+            plain = _PLAIN_READ
+        return facts, managed, plain, func is aten.detach.default
+
     def handle(self, func, args: tuple, kwargs: dict):
         with self.lock:
             if not self.is_open:
@@ -779,6 +825,7 @@ class Runtime(Driver):
                 self.escaped_keys.clear()
                 self.pending_refs.clear()
                 self.recipes = []
+                self.dispatch = self.handle  # the fast path holds this runtime
         if interrupted is not None:
             raise interrupted
 
@@ -865,6 +912,26 @@ def _detach(rt: Runtime, func, facts, call: Call, managed: bool):
 
 
 _SPECIAL = {aten.detach.default: _detach}
+
+# What the fast path may do with a call on plain tensors only (handle()'s `if not
+# managed:` branch): nothing (handle() serves it), run it directly unless grad mode
+# needs its outputs managed, or run a write directly unless dtr knows an argument.
+_PLAIN_NO, _PLAIN_READ, _PLAIN_WRITE = 0, 1, 2
+
+# What the fast path creates and catches (csrc/fastpath.cpp reads these attributes).
+_FAST_TYPES = types.SimpleNamespace(
+    CheckpointTensor=CheckpointTensor,
+    Node=Node,
+    Ref=Ref,
+    Recipe=Recipe,
+    OutOfMemoryError=torch.OutOfMemoryError,
+    roofline=_cost.roofline,
+    # CheckpointTensor.__new__'s and Recipe's pieces, which it calls without their frames
+    make_wrapper=torch.Tensor._make_wrapper_subclass,
+    set_conj=torch._C._set_conj,
+    set_neg=torch._C._set_neg,
+    object_new=object.__new__,
+)
 
 
 # ====================================================================== outside the mode

@@ -32,7 +32,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _eval_frame_callback() is None:
-            return self.runtime.handle(func, args, kwargs or {})
+            return self.runtime.dispatch(func, args, kwargs or {})
         return _handle_without_dynamo(self.runtime, func, args, kwargs or {})
 
 

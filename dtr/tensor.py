@@ -63,6 +63,7 @@ class CheckpointTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, ref: Ref, like: torch.Tensor, requires_grad: bool = False):
+        # csrc/fastpath.cpp (new_wrapper) builds wrappers the same way: change both.
         t = torch.Tensor._make_wrapper_subclass(
             cls,
             like.size(),

@@ -36,3 +36,20 @@ def core(request, monkeypatch):
 def _clean_env(monkeypatch):
     for name in ("DTR_MEMORY_BUDGET", "DTR_HEURISTIC", "DTR_STRESS", "DTR_DEBUG", "DTR_COST_MODEL"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def logged(monkeypatch):
+    """Keeps the eviction log of every live session's core."""
+    import dtr.runtime
+
+    cores = []
+    init = dtr.runtime.Runtime.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.core.log_evictions(True)
+        cores.append(self.core)
+
+    monkeypatch.setattr(dtr.runtime.Runtime, "__init__", patched)
+    return cores

@@ -148,21 +148,6 @@ def test_malformed_traces_name_file_and_line(tmp_path, records, match):
         sim.load(str(path))
 
 
-@pytest.fixture
-def logged(monkeypatch):
-    """Keeps the eviction log of every live session's core."""
-    cores = []
-    init = dtr.runtime.Runtime.__init__
-
-    def patched(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.core.log_evictions(True)
-        cores.append(self.core)
-
-    monkeypatch.setattr(dtr.runtime.Runtime, "__init__", patched)
-    return cores
-
-
 @functools.cache
 def _peak(name):
     return train(name, dtr_kwargs={"cost_model": "roofline"}).stats.peak_resident_bytes

@@ -1,0 +1,766 @@
+// The live runtime's per-op fast path: Runtime.handle -> _run -> _record -> _settle
+// (dtr/runtime.py) for the common op, in one call into C++.
+//
+// Every op the program runs under dtr.enable() comes here first (when the session uses
+// the C++ core and records no trace or timeline). An op qualifies when it writes none
+// of its arguments, draws no random numbers and needs none of the special handling the
+// runtime gives in-place views, meta-only ops, detach and collectives (decided once per
+// op overload by Runtime.fast_facts), and the call is simple: at least one managed
+// input, every managed input resident and of this runtime, every plain input strided
+// and already known to the core. Anything else goes to Runtime.handle, which serves
+// every op. Both make the same core calls in the same order (the comments name the
+// Python lines each step mirrors), so a decision never depends on which path ran; the
+// test suite runs on both (the pure-Python core never takes this path).
+//
+// Values, Nodes, Recipes and wrappers stay Python objects shared with the Python path;
+// what moves here is the interpreter's work between them: taking the call apart,
+// locking, recording, draining, settling (dtr/NOTES.md, "The per-op fast path").
+#include "fastpath.h"
+
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/extension.h>
+
+#include <chrono>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "core.h"
+
+namespace py = pybind11;
+
+namespace dtr {
+namespace {
+
+py::object intern(const char* s) {
+  return py::reinterpret_steal<py::object>(PyUnicode_InternFromString(s));
+}
+
+py::object get(py::handle o, const py::object& name) {
+  PyObject* r = PyObject_GetAttr(o.ptr(), name.ptr());
+  if (r == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+void set(py::handle o, const py::object& name, py::handle v) {
+  if (PyObject_SetAttr(o.ptr(), name.ptr(), v.ptr()) < 0) throw py::error_already_set();
+}
+
+py::object call(py::handle f, std::initializer_list<py::handle> args) {
+  PyObject* stack[12];
+  size_t n = 0;
+  for (py::handle a : args) stack[n++] = a.ptr();
+  PyObject* r = PyObject_Vectorcall(f.ptr(), stack, n, nullptr);
+  if (r == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(r);
+}
+
+bool is_seq(PyObject* a) { return PyList_CheckExact(a) || PyTuple_CheckExact(a); }
+
+// Call.__init__'s walk (dtr/call.py): tensors directly in args/kwargs, or one level
+// down in a list or tuple, in that order.
+template <class F>
+void walk(PyObject* args, PyObject* kwargs, F&& visit) {
+  auto item = [&](PyObject* key, Py_ssize_t index, PyObject* a) {
+    if (THPVariable_Check(a)) {
+      visit(a, key, index, -1);
+    } else if (is_seq(a)) {
+      Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
+      PyObject** items = PySequence_Fast_ITEMS(a);
+      for (Py_ssize_t j = 0; j < n; ++j)
+        if (THPVariable_Check(items[j])) visit(items[j], key, index, j);
+    }
+  };
+  Py_ssize_t n = PyTuple_GET_SIZE(args);
+  for (Py_ssize_t i = 0; i < n; ++i) item(nullptr, i, PyTuple_GET_ITEM(args, i));
+  if (kwargs != nullptr) {
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(kwargs, &pos, &key, &value)) item(key, -1, value);
+  }
+}
+
+// An argument with its tensors replaced, in walk order, by vals[k], vals[k+1], ...
+PyObject* substitute_item(PyObject* a, const std::vector<PyObject*>& vals, size_t& k) {
+  if (THPVariable_Check(a)) {
+    PyObject* v = vals[k++];
+    Py_INCREF(v);
+    return v;
+  }
+  if (is_seq(a)) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
+    PyObject** items = PySequence_Fast_ITEMS(a);
+    bool any = false;
+    for (Py_ssize_t j = 0; j < n && !any; ++j) any = THPVariable_Check(items[j]);
+    if (any) {
+      bool list = PyList_CheckExact(a);
+      PyObject* out = list ? PyList_New(n) : PyTuple_New(n);
+      if (out == nullptr) throw py::error_already_set();
+      for (Py_ssize_t j = 0; j < n; ++j) {
+        PyObject* v = THPVariable_Check(items[j]) ? vals[k++] : items[j];
+        Py_INCREF(v);
+        if (list) {
+          PyList_SET_ITEM(out, j, v);
+        } else {
+          PyTuple_SET_ITEM(out, j, v);
+        }
+      }
+      return out;
+    }
+  }
+  Py_INCREF(a);
+  return a;
+}
+
+// dtr/call.py's substitute: (args, kwargs) with leaf k replaced by vals[k].
+std::pair<py::object, py::object> substitute(PyObject* args, PyObject* kwargs,
+                                             const std::vector<PyObject*>& vals) {
+  size_t k = 0;
+  Py_ssize_t n = PyTuple_GET_SIZE(args);
+  py::object new_args = py::reinterpret_steal<py::object>(PyTuple_New(n));
+  for (Py_ssize_t i = 0; i < n; ++i)
+    PyTuple_SET_ITEM(new_args.ptr(), i, substitute_item(PyTuple_GET_ITEM(args, i), vals, k));
+  py::object new_kwargs = py::reinterpret_steal<py::object>(PyDict_New());
+  if (kwargs != nullptr) {
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(kwargs, &pos, &key, &value)) {
+      py::object v = py::reinterpret_steal<py::object>(substitute_item(value, vals, k));
+      if (PyDict_SetItem(new_kwargs.ptr(), key, v.ptr()) < 0) throw py::error_already_set();
+    }
+  }
+  return {std::move(new_args), std::move(new_kwargs)};
+}
+
+// The key Runtime.storages uses for a plain tensor: its storage's _cdata.
+py::object storage_key(PyObject* tensor) {
+  const at::Tensor& t = THPVariable_Unpack(tensor);
+  return py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(t.storage().unsafeGetStorageImpl()));
+}
+
+struct Leaf {
+  PyObject* arg;     // as the program passed it (borrowed from the call)
+  py::object node;   // its Node when managed, else empty
+  py::object value;  // the plain tensor the op runs on
+  py::object where;  // (index or kwarg name, list index or -1), as Call.where
+  int64_t tid;
+};
+
+struct Out {
+  int64_t i, j;
+  PyObject* tensor;    // borrowed from the op's result
+  py::object wrapper;  // what the program gets instead
+};
+
+// The `finally` of Runtime._run, also when it goes out of scope: unlock the inputs,
+// then release the constants first registered for this call (now held by the recipe,
+// or by nothing).
+struct Locks {
+  Core& core;
+  std::vector<int64_t> tids;
+  std::vector<int64_t> fresh;
+  explicit Locks(Core& c) : core(c) {}
+  void lock(int64_t tid) {
+    core.lock(tid);
+    tids.push_back(tid);
+  }
+  void unlock_all() {
+    for (int64_t tid : tids) core.unlock(tid);
+    tids.clear();
+    for (int64_t tid : fresh) core.release(tid);
+    fresh.clear();
+  }
+  ~Locks() {
+    try {
+      unlock_all();
+    } catch (...) {  // an unlock cannot fail on a locked tensor; never throw from here
+    }
+  }
+};
+
+class FastPath {
+ public:
+  FastPath(py::object runtime, py::object types, bool stress, bool check, bool model_cost)
+      : rt_(std::move(runtime)), stress_(stress), check_(check), model_cost_(model_cost) {
+    ckpt_type_ = types.attr("CheckpointTensor");
+    node_type_ = types.attr("Node");
+    ref_type_ = types.attr("Ref");
+    recipe_type_ = types.attr("Recipe");
+    oom_type_ = types.attr("OutOfMemoryError");
+    roofline_ = types.attr("roofline");
+    make_wrapper_ = types.attr("make_wrapper");
+    set_conj_ = types.attr("set_conj");
+    set_neg_ = types.attr("set_neg");
+    object_new_ = types.attr("object_new");
+    wrapper_kwnames_ =
+        py::make_tuple("strides", "storage_offset", "dtype", "device", "layout", "requires_grad");
+    nodes_ = rt_.attr("nodes");
+    storages_ = rt_.attr("storages");
+    const_keys_ = rt_.attr("const_keys");
+    escaped_ = rt_.attr("escaped");
+    escaped_keys_ = rt_.attr("escaped_keys");
+    sizes_ = rt_.attr("sizes");
+    lock_ = rt_.attr("lock");
+    core_obj_ = rt_.attr("core");
+    core_ = core_obj_.cast<Core*>();
+  }
+
+  py::object operator()(py::handle func, py::handle args, py::handle kwargs);
+
+ private:
+  // How Runtime.fast_route says an op overload may be served here.
+  enum Plain : int64_t { kPlainNo = 0, kPlainRead = 1, kPlainWrite = 2 };
+  struct OpInfo {
+    bool managed = false;      // its calls on managed tensors may be run here
+    int64_t plain = kPlainNo;  // what its calls on plain tensors only may do here
+    bool detach = false, view = false;
+    bool plain_recipe = false;         // Recipe.__init__ would change none of its arguments
+    py::object func, facts, name, op;  // op: func._op, the C++ callable behind func
+    int64_t nreturns = 1;
+  };
+  // Runtime.handle's scan of the leaves: whether the call is simple enough for this
+  // path, whether a leaf is managed, and whether a plain one requires grad.
+  struct Scan {
+    bool simple = true, managed = false, requires_grad = false;
+  };
+
+  const OpInfo& info(py::handle func);
+  py::object fallback(py::handle func, py::handle args, py::handle kwargs);
+  Scan scan(PyObject* args, PyObject* kwargs, std::vector<Leaf>& leaves);
+  bool known(const std::vector<Leaf>& leaves);
+  py::object run(const OpInfo& op, PyObject* args, PyObject* kwargs, std::vector<Leaf>& leaves);
+  void flush();
+  void drain();
+  void settle(const std::vector<int64_t>& fresh, const OpInfo& op);
+  int64_t constant(PyObject* arg, std::vector<int64_t>& fresh);
+  py::object new_wrapper(py::handle ref, py::handle like);
+  py::object new_recipe(const OpInfo& op, const py::object& args, const py::object& kwargs,
+                        const py::list& where, const py::list& inputs, const py::list& specs,
+                        const std::vector<Leaf>& leaves);
+  void set_item(const py::object& list, int64_t index, py::handle value);
+  [[noreturn]] void budget_error(const std::vector<int64_t>& fresh, const OpInfo& op);
+
+  py::object rt_, ckpt_type_, node_type_, ref_type_, recipe_type_, oom_type_, roofline_;
+  py::object make_wrapper_, set_conj_, set_neg_, object_new_, wrapper_kwnames_;
+  py::object nodes_, storages_, const_keys_, escaped_, escaped_keys_, sizes_, lock_;
+  py::object core_obj_;
+  Core* core_;
+  bool stress_, check_, model_cost_;
+  std::unordered_map<PyObject*, OpInfo> ops_;
+  const py::object s_is_open_ = intern("is_open"), s_core_ = intern("core"),
+                   s_pending_ = intern("pending_refs"), s_ref_ = intern("_dtr_ref"),
+                   s_runtime_ = intern("runtime"), s_node_ = intern("node"),
+                   s_value_ = intern("value"), s_tid_ = intern("tid"), s_shape_ = intern("shape"),
+                   s_recipes_ = intern("recipes"), s_outputs_ = intern("outputs"),
+                   s_acquire_ = intern("acquire"), s_release_ = intern("release"),
+                   s_handle_ = intern("handle"), s_predict_ = intern("predict"),
+                   s_learn_ = intern("learn"), s_retry_ = intern("retry_after_oom"),
+                   s_budget_error_ = intern("_budget_error"), s_fast_route_ = intern("fast_route"),
+                   s_constant_ = intern("constant"), s_hook_leaf_ = intern("_hook_leaf"),
+                   s_func_ = intern("func"), s_facts_ = intern("facts"), s_args_ = intern("args"),
+                   s_kwargs_ = intern("kwargs"), s_where_ = intern("where"),
+                   s_inputs_ = intern("inputs"), s_clone_ = intern("clone"),
+                   s_specs_ = intern("specs"), s_rng_ = intern("rng"), s_grad_ = intern("grad"),
+                   s_versions_ = intern("versions");
+};
+
+// Runtime.lock held for the call, as `with self.lock:` in Runtime.handle.
+struct Held {
+  PyObject* lock;
+  PyObject* release;
+  Held(PyObject* l, PyObject* acquire, PyObject* rel) : lock(l), release(rel) {
+    PyObject* r = PyObject_CallMethodNoArgs(lock, acquire);
+    if (r == nullptr) throw py::error_already_set();
+    Py_DECREF(r);
+  }
+  ~Held() {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);  // keep an error in flight
+    PyObject* r = PyObject_CallMethodNoArgs(lock, release);
+    if (r == nullptr) {
+      PyErr_Clear();
+    } else {
+      Py_DECREF(r);
+    }
+    PyErr_Restore(type, value, tb);
+  }
+};
+
+const FastPath::OpInfo& FastPath::info(py::handle func) {
+  auto it = ops_.find(func.ptr());
+  if (it != ops_.end()) return it->second;
+  OpInfo op;
+  op.func = py::reinterpret_borrow<py::object>(func);  // keeps the key alive
+  py::tuple route = rt_.attr(s_fast_route_)(func);
+  op.facts = route[0];
+  op.managed = route[1].cast<bool>();
+  op.plain = route[2].cast<int64_t>();
+  op.detach = route[3].cast<bool>();
+  op.view = op.facts.attr("view").cast<bool>();
+  op.plain_recipe = !op.facts.attr("arg_index").contains("non_blocking");
+  op.name = op.facts.attr("name");
+  op.nreturns = op.facts.attr("nreturns").cast<int64_t>();
+  op.op = func.attr("_op");
+  return ops_.emplace(func.ptr(), std::move(op)).first->second;
+}
+
+py::object FastPath::fallback(py::handle func, py::handle args, py::handle kwargs) {
+  py::object kw = kwargs.is_none() ? py::dict() : py::reinterpret_borrow<py::object>(kwargs);
+  return call(get(rt_, s_handle_), {func, args, kw});
+}
+
+py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwargs) {
+  const OpInfo& op = info(func);
+  if (!PyTuple_Check(args.ptr()) || !(kwargs.is_none() || PyDict_CheckExact(kwargs.ptr())))
+    return fallback(func, args, kwargs);
+  PyObject* kw = kwargs.is_none() || PyDict_GET_SIZE(kwargs.ptr()) == 0 ? nullptr : kwargs.ptr();
+  py::object result;
+  {
+    Held held(lock_.ptr(), s_acquire_.ptr(), s_release_.ptr());
+    // A closed runtime, or a core the program swapped (tests wrap it): the Python path.
+    if (!PyObject_IsTrue(get(rt_, s_is_open_).ptr()) || get(rt_, s_core_).ptr() != core_obj_.ptr())
+      return fallback(func, args, kwargs);
+    flush();
+    if (op.detach) {
+      // _detach: a detached managed tensor shares its Ref, even while evicted.
+      PyObject* t = PyTuple_GET_SIZE(args.ptr()) == 1 && kw == nullptr
+                        ? PyTuple_GET_ITEM(args.ptr(), 0)
+                        : nullptr;
+      if (t != nullptr &&
+          PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(ckpt_type_.ptr()))) {
+        py::object ref = get(t, s_ref_);
+        if (get(ref, s_runtime_).ptr() == rt_.ptr()) return new_wrapper(ref, t);
+      }
+      return fallback(func, args, kwargs);
+    }
+    std::vector<Leaf> leaves;
+    Scan sc = scan(args.ptr(), kw, leaves);
+    if (!sc.simple) return fallback(func, args, kwargs);
+    if (sc.managed) {
+      if (!op.managed) return fallback(func, args, kwargs);
+      return run(op, args.ptr(), kw, leaves);
+    }
+    // Plain tensors only (handle()'s `if not managed:` branch).
+    bool direct = false;
+    if (op.plain == kPlainWrite) {
+      // _writes_to_plain has nothing to do unless dtr knows one of the arguments.
+      direct = !known(leaves);
+    } else if (op.plain == kPlainRead) {
+      direct = op.view || !(at::GradMode::is_enabled() && sc.requires_grad);
+      if (!direct && op.managed) return run(op, args.ptr(), kw, leaves);  // _wants_management
+    }
+    if (!direct) return fallback(func, args, kwargs);
+    PyObject* raw = PyObject_Call(op.op.ptr(), args.ptr(), kw);
+    if (raw == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(raw);
+  }
+}
+
+// Whether dtr knows the storage of any plain leaf (a constant, or a value handed out).
+bool FastPath::known(const std::vector<Leaf>& leaves) {
+  for (const Leaf& leaf : leaves) {
+    py::object key = storage_key(leaf.arg);
+    for (PyObject* dict : {storages_.ptr(), escaped_.ptr()}) {
+      if (PyDict_GetItemWithError(dict, key.ptr()) != nullptr) return true;
+      if (PyErr_Occurred()) throw py::error_already_set();
+    }
+  }
+  return false;
+}
+
+// Runtime._flush: release the handles dropped since the last op (Invariant 5).
+void FastPath::flush() {
+  while (true) {
+    py::object refs = get(rt_, s_pending_);
+    if (PyList_GET_SIZE(refs.ptr()) == 0) return;
+    set(rt_, s_pending_, py::list());
+    for (py::handle node : refs) {
+      int64_t tid = get(node, s_tid_).cast<int64_t>();
+      if (tid >= 0) core_->release(tid);
+    }
+    drain();
+  }
+}
+
+void FastPath::set_item(const py::object& list, int64_t index, py::handle value) {
+  PyObject* l = list.ptr();
+  while (PyList_GET_SIZE(l) <= index)
+    if (PyList_Append(l, Py_None) < 0) throw py::error_already_set();
+  Py_INCREF(value.ptr());
+  PyList_SetItem(l, index, value.ptr());  // steals the reference, drops the old item
+}
+
+// Runtime.drain: mirror the core (drop the values it evicted, forget what it dropped).
+void FastPath::drain() {
+  auto [evicted, dropped, dropped_recipes] = core_->drain();
+  PyObject* nodes = nodes_.ptr();
+  py::none none;
+  auto node_at = [&](int64_t t) -> py::object {
+    if (t < 0 || t >= PyList_GET_SIZE(nodes)) return py::none();
+    return py::reinterpret_borrow<py::object>(PyList_GET_ITEM(nodes, t));
+  };
+  for (int64_t t : evicted) {
+    py::object node = node_at(t);
+    if (!node.is_none()) set(node, s_value_, none);
+  }
+  py::int_ minus_one(-1);
+  for (int64_t t : dropped) {
+    py::object node = node_at(t);
+    if (!node.is_none()) {
+      set(node, s_value_, none);
+      set(node, s_tid_, minus_one);
+      set_item(nodes_, t, none);
+    }
+    py::int_ tid(t);
+    py::object key = const_keys_.attr("pop")(tid, none);
+    if (!key.is_none() && PyDict_DelItem(storages_.ptr(), key.ptr()) < 0)
+      throw py::error_already_set();
+    key = escaped_keys_.attr("pop")(tid, none);
+    if (!key.is_none()) {
+      PyObject* held = PyDict_GetItemWithError(escaped_.ptr(), key.ptr());
+      if (held == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      if (held != nullptr && held == node.ptr() && PyDict_DelItem(escaped_.ptr(), key.ptr()) < 0)
+        throw py::error_already_set();
+    }
+  }
+  if (!dropped_recipes.empty()) {
+    py::object recipes = get(rt_, s_recipes_);
+    for (int64_t r : dropped_recipes) set_item(recipes, r, none);
+  }
+}
+
+void FastPath::budget_error(const std::vector<int64_t>& fresh, const OpInfo& op) {
+  drain();
+  int64_t requested = 0;
+  for (int64_t tid : fresh) requested += core_->pool_bytes(tid);
+  py::object what = py::str("running {}").format(op.func);
+  py::object exc = rt_.attr(s_budget_error_)(requested, what);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  throw py::error_already_set();
+}
+
+FastPath::Scan FastPath::scan(PyObject* args, PyObject* kwargs, std::vector<Leaf>& leaves) {
+  Scan sc;
+  PyTypeObject* ckpt = reinterpret_cast<PyTypeObject*>(ckpt_type_.ptr());
+  walk(args, kwargs, [&](PyObject* a, PyObject* key, Py_ssize_t index, Py_ssize_t j) {
+    if (!sc.simple) return;
+    Leaf leaf{a, py::object(), py::object(), py::object(), -1};
+    if (PyObject_TypeCheck(a, ckpt)) {
+      py::object ref = get(a, s_ref_);
+      if (get(ref, s_runtime_).ptr() != rt_.ptr()) {
+        sc.simple = false;  // a wrapper of an ended session
+        return;
+      }
+      leaf.node = get(ref, s_node_);
+      leaf.value = get(leaf.node, s_value_);
+      if (leaf.value.is_none()) {
+        sc.simple = false;  // evicted: rematerialized on the Python path
+        return;
+      }
+      leaf.tid = get(leaf.node, s_tid_).cast<int64_t>();
+      sc.managed = true;
+    } else {
+      const at::Tensor& t = THPVariable_Unpack(a);
+      if (t.layout() != c10::kStrided || !t.has_storage()) {
+        sc.simple = false;
+        return;
+      }
+      sc.requires_grad = sc.requires_grad || t.requires_grad();
+      leaf.value = py::reinterpret_borrow<py::object>(a);  // a constant: tid found in run
+    }
+    py::object k = key != nullptr ? py::reinterpret_borrow<py::object>(key)
+                                  : py::reinterpret_steal<py::object>(PyLong_FromSsize_t(index));
+    leaf.where = py::make_tuple(k, j);
+    leaves.push_back(std::move(leaf));
+  });
+  return sc;
+}
+
+// Runtime._run, _record and _settle for a call that scan() found simple.
+py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
+                         std::vector<Leaf>& leaves) {
+  Core& core = *core_;
+  // ---- Runtime._run
+  const size_t n = leaves.size();
+  Locks locks(core);
+  for (Leaf& leaf : leaves)
+    if (!leaf.node) leaf.tid = constant(leaf.arg, locks.fresh);
+  py::object size_key;
+  int64_t reserve = 0;
+  if (core.budget >= 0) {
+    py::list leaf_list(n);
+    for (size_t k = 0; k < n; ++k) leaf_list[k] = py::handle(leaves[k].arg);
+    py::tuple predicted = sizes_.attr(s_predict_)(op.func, leaf_list);
+    size_key = predicted[0];
+    reserve = predicted[1].cast<int64_t>();
+  }
+  for (const Leaf& leaf : leaves)
+    if (leaf.node) locks.lock(leaf.tid);
+  if (reserve != 0 && 0 <= core.budget && core.budget < core.resident_bytes + reserve) {
+    core.make_room(reserve);  // room for the outputs (dtr/reserve.py)
+    drain();
+  }
+  std::vector<PyObject*> vals(n);
+  for (size_t k = 0; k < n; ++k) vals[k] = leaves[k].value.ptr();
+  auto [real_args, real_kwargs] = substitute(args, kwargs, vals);
+  auto start = std::chrono::steady_clock::now();
+  PyObject* raw = PyObject_Call(op.op.ptr(), real_args.ptr(), real_kwargs.ptr());
+  py::object out;
+  if (raw != nullptr) {
+    out = py::reinterpret_steal<py::object>(raw);
+  } else {
+    py::error_already_set exc;
+    if (!exc.matches(oom_type_)) throw exc;
+    out = call(get(rt_, s_retry_),
+               {exc.value(), op.func, real_args, real_kwargs, py::bool_(true), py::none()});
+  }
+  double cost = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  // ---- Runtime._record: the op's tensors, as returns_of lists them
+  std::vector<Out> outs;
+  auto add_returned = [&](int64_t i, PyObject* r) {
+    if (THPVariable_Check(r)) {
+      outs.push_back({i, -1, r, py::object()});
+    } else if (is_seq(r)) {
+      Py_ssize_t m = PySequence_Fast_GET_SIZE(r);
+      PyObject** items = PySequence_Fast_ITEMS(r);
+      for (Py_ssize_t j = 0; j < m; ++j)
+        if (THPVariable_Check(items[j])) outs.push_back({i, j, items[j], py::object()});
+    }
+  };
+  bool first_cpu = true;  // _first_cpu(out)
+  if (op.nreturns == 1) {
+    add_returned(0, out.ptr());
+  } else if (!out.is_none()) {
+    py::tuple rets = py::reinterpret_borrow<py::object>(out);
+    for (size_t i = 0; i < rets.size(); ++i) add_returned(i, rets[i].ptr());
+  }
+  if (THPVariable_Check(out.ptr())) {
+    first_cpu = THPVariable_Unpack(out.ptr()).is_cpu();
+  } else if (PyList_Check(out.ptr()) || PyTuple_Check(out.ptr())) {
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(out.ptr());
+    PyObject** items = PySequence_Fast_ITEMS(out.ptr());
+    for (Py_ssize_t j = 0; j < m; ++j)
+      if (THPVariable_Check(items[j])) {
+        first_cpu = THPVariable_Unpack(items[j]).is_cpu();
+        break;
+      }
+  }
+  if (model_cost_ || !(THPVariable_Unpack(vals[0]).is_cpu() && first_cpu))
+    cost = call(roofline_, {op.func, real_args, real_kwargs, out}).cast<double>();
+
+  std::vector<int64_t> kinds, refs, nbytes;
+  std::vector<size_t> kept;  // indices into outs that become managed
+  for (size_t q = 0; q < outs.size(); ++q) {
+    const at::Tensor& o = THPVariable_Unpack(outs[q].tensor);
+    if (o.layout() != c10::kStrided) continue;  // a sparse result stays plain
+    c10::StorageImpl* storage = o.storage().unsafeGetStorageImpl();
+    int64_t src = -1;  // the last input sharing its storage, as the dict in _record
+    for (size_t k = n; k-- > 0;)
+      if (THPVariable_Unpack(vals[k]).storage().unsafeGetStorageImpl() == storage) {
+        src = static_cast<int64_t>(k);
+        break;
+      }
+    if (src >= 0) {
+      if (!leaves[src].node) continue;  // a view of a constant stays plain
+      kinds.push_back(kView);
+      refs.push_back(leaves[src].tid);
+      nbytes.push_back(0);
+    } else {
+      kinds.push_back(kNew);
+      refs.push_back(-1);
+      nbytes.push_back(static_cast<int64_t>(o.storage().nbytes()));
+    }
+    kept.push_back(q);
+  }
+  if (size_key) {
+    int64_t total = 0;
+    for (int64_t b : nbytes) total += b;
+    sizes_.attr(s_learn_)(size_key, total);
+  }
+  if (kinds.empty()) {  // every returned tensor stays plain
+    locks.unlock_all();
+    settle({}, op);
+    return out;
+  }
+
+  std::vector<int64_t> inputs(n);
+  for (size_t k = 0; k < n; ++k) inputs[k] = leaves[k].tid;
+  std::vector<int64_t> out_tids = core.record(inputs, cost, kinds, refs, nbytes);
+  std::vector<PyObject*> nones(n, Py_None);
+  auto [t_args, t_kwargs] = substitute(args, kwargs, nones);
+  py::list where(n), rec_inputs(n), specs(kept.size());
+  for (size_t k = 0; k < n; ++k) {
+    where[k] = leaves[k].where;
+    rec_inputs[k] = leaves[k].node ? leaves[k].node : leaves[k].value;
+  }
+  for (size_t q = 0; q < kept.size(); ++q)
+    specs[q] = py::make_tuple(outs[kept[q]].i, outs[kept[q]].j);
+  py::object rec = new_recipe(op, t_args, t_kwargs, where, rec_inputs, specs, leaves);
+  py::object rec_outputs = get(rec, s_outputs_);
+  for (size_t q = 0; q < kept.size(); ++q) {
+    Out& o = outs[kept[q]];
+    py::handle value(o.tensor);
+    py::int_ tid(out_tids[q]);
+    py::object node = call(node_type_, {tid, value, op.name, get(value, s_shape_)});
+    set_item(nodes_, out_tids[q], node);
+    if (PyList_Append(rec_outputs.ptr(), node.ptr()) < 0) throw py::error_already_set();
+    o.wrapper = new_wrapper(call(ref_type_, {node, rt_}), value);
+  }
+  set_item(get(rt_, s_recipes_), core.recipe_of(out_tids[0]), rec);
+  drain();
+
+  // rebuild_returns: the op's result with the managed tensors swapped for wrappers
+  auto replacement = [&](int64_t i, int64_t j, PyObject* x) -> PyObject* {
+    for (const Out& o : outs)
+      if (o.i == i && o.j == j && o.wrapper) return o.wrapper.ptr();
+    return x;
+  };
+  auto rebuild_seq = [&](int64_t i, PyObject* r) -> py::object {
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(r);
+    PyObject** items = PySequence_Fast_ITEMS(r);
+    std::vector<PyObject*> swapped(m);
+    for (Py_ssize_t j = 0; j < m; ++j) swapped[j] = replacement(i, j, items[j]);
+    size_t k = 0;
+    return py::reinterpret_steal<py::object>(substitute_item(r, swapped, k));
+  };
+  py::object result;
+  if (op.nreturns == 1) {
+    if (THPVariable_Check(out.ptr())) {
+      result = py::reinterpret_borrow<py::object>(replacement(0, -1, out.ptr()));
+    } else if (is_seq(out.ptr())) {
+      result = rebuild_seq(0, out.ptr());
+    } else {
+      result = out;
+    }
+  } else {
+    py::tuple rets = py::reinterpret_borrow<py::object>(out);
+    py::list items(rets.size());
+    for (size_t i = 0; i < rets.size(); ++i) {
+      PyObject* r = rets[i].ptr();
+      if (THPVariable_Check(r)) {
+        items[i] = py::handle(replacement(i, -1, r));
+      } else if (is_seq(r)) {
+        items[i] = rebuild_seq(i, r);
+      } else {
+        items[i] = py::handle(r);
+      }
+    }
+    result = PyTuple_CheckExact(out.ptr()) ? py::object(py::tuple(items))
+                                           : call(py::type::of(out), {items});
+  }
+  locks.unlock_all();  // the `finally` of Runtime._run
+  settle(out_tids, op);
+  return result;
+}
+
+// Runtime._constant: the core tensor of a plain tensor an op reads (one per storage); a
+// new one is held for the op in flight (listed in fresh) until its recipe is recorded.
+int64_t FastPath::constant(PyObject* arg, std::vector<int64_t>& fresh) {
+  const at::Tensor& t = THPVariable_Unpack(arg);
+  py::object key = storage_key(arg);
+  PyObject* known = PyDict_GetItemWithError(storages_.ptr(), key.ptr());
+  if (known != nullptr) return PyLong_AsLongLong(known);
+  if (PyErr_Occurred()) throw py::error_already_set();
+  int64_t nbytes = static_cast<int64_t>(t.storage().nbytes());
+  int64_t tid = core_->new_constant(nbytes);
+  py::handle value(arg);
+  py::int_ id(tid);
+  set_item(nodes_, tid, call(node_type_, {id, py::none(), s_constant_, get(value, s_shape_)}));
+  if (PyDict_SetItem(storages_.ptr(), key.ptr(), id.ptr()) < 0 ||
+      PyDict_SetItem(const_keys_.ptr(), id.ptr(), key.ptr()) < 0)
+    throw py::error_already_set();
+  fresh.push_back(tid);
+  if (t.requires_grad()) rt_.attr(s_hook_leaf_)(value);
+  return tid;
+}
+
+// CheckpointTensor(ref, like) (dtr/tensor.py), without the Python frames: a wrapper with
+// like's sizes, strides, offset, dtype, device, layout and conjugate/negative bits.
+py::object FastPath::new_wrapper(py::handle ref, py::handle like) {
+  const at::Tensor& t = THPVariable_Unpack(like.ptr());
+  const int64_t dim = t.dim();
+  py::tuple sizes(dim), strides(dim);
+  for (int64_t d = 0; d < dim; ++d) {
+    sizes[d] = py::int_(t.sizes()[d]);
+    strides[d] = py::int_(t.strides()[d]);
+  }
+  py::int_ offset(t.storage_offset());
+  py::handle dtype(reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())));
+  py::object device = py::reinterpret_steal<py::object>(THPDevice_New(t.device()));
+  py::handle layout(reinterpret_cast<PyObject*>(torch::getTHPLayout(t.layout())));
+  PyObject* argv[] = {ckpt_type_.ptr(), sizes.ptr(),  strides.ptr(), offset.ptr(),
+                      dtype.ptr(),      device.ptr(), layout.ptr(),  Py_False};
+  PyObject* raw = PyObject_Vectorcall(make_wrapper_.ptr(), argv, 2, wrapper_kwnames_.ptr());
+  if (raw == nullptr) throw py::error_already_set();
+  py::object w = py::reinterpret_steal<py::object>(raw);
+  if (t.is_conj()) call(set_conj_, {w, py::bool_(true)});
+  if (t.is_neg()) call(set_neg_, {w, py::bool_(true)});
+  set(w, s_ref_, ref);
+  return w;
+}
+
+// Recipe(func, facts, args, kwargs, where, inputs, (), specs, None, grad) (dtr/recipe.py)
+// for an op that writes no argument and draws no random numbers. When its __init__ would
+// change nothing (no non_blocking argument) its slots are filled here directly.
+py::object FastPath::new_recipe(const OpInfo& op, const py::object& args, const py::object& kwargs,
+                                const py::list& where, const py::list& inputs,
+                                const py::list& specs, const std::vector<Leaf>& leaves) {
+  py::bool_ grad(at::GradMode::is_enabled());
+  if (!op.plain_recipe)
+    return call(recipe_type_, {op.func, op.facts, args, kwargs, where, inputs, py::tuple(), specs,
+                               py::none(), grad});
+  py::object rec = call(object_new_, {recipe_type_});
+  set(rec, s_func_, op.func);
+  set(rec, s_facts_, op.facts);
+  set(rec, s_args_, args);
+  set(rec, s_kwargs_, kwargs);
+  set(rec, s_where_, where);
+  set(rec, s_inputs_, inputs);
+  set(rec, s_clone_, py::tuple());
+  set(rec, s_specs_, specs);
+  set(rec, s_rng_, py::none());
+  set(rec, s_grad_, grad);
+  set(rec, s_outputs_, py::list());
+  // versions: (leaf, version) of each plain tensor it reads, as Recipe.__init__ says
+  py::list versions;
+  for (size_t k = 0; k < leaves.size(); ++k) {
+    if (leaves[k].node) continue;
+    const at::Tensor& t = THPVariable_Unpack(leaves[k].value.ptr());
+    if (!t.is_inference()) versions.append(py::make_tuple(k, t._version()));
+  }
+  set(rec, s_versions_, py::tuple(versions));
+  return rec;
+}
+
+// Runtime._settle: evict until the budget holds, the op's fresh outputs protected.
+void FastPath::settle(const std::vector<int64_t>& fresh, const OpInfo& op) {
+  Core& core = *core_;
+  {
+    Locks held(core);
+    for (int64_t tid : fresh) held.lock(tid);
+    bool ok = core.make_room(0);
+    held.unlock_all();
+    if (!ok) budget_error(fresh, op);
+  }
+  if (stress_) core.evict_all();
+  drain();
+  if (check_) core.check();
+}
+
+}  // namespace
+
+void bind_fastpath(py::module_& m) {
+  py::class_<FastPath>(m, "FastPath",
+                       "The live runtime's per-op fast path (csrc/fastpath.cpp); call it as "
+                       "the runtime's handle(func, args, kwargs).")
+      .def(py::init<py::object, py::object, bool, bool, bool>(), py::arg("runtime"),
+           py::arg("types"), py::arg("stress"), py::arg("check"), py::arg("model_cost"))
+      .def("__call__", &FastPath::operator(), py::arg("func"), py::arg("args"),
+           py::arg("kwargs") = py::none());
+}
+
+}  // namespace dtr

@@ -1,0 +1,164 @@
+"""The C++ per-op fast path (csrc/fastpath.cpp) against the Python path it stands in for.
+
+The fast path serves the common op in one call into C++ and hands every other op to
+Runtime.handle. It must make the same core calls in the same order, so the same program
+under the same budget evicts the same tensors, and compute the same values bit for bit.
+The rest of the suite runs on it too (every test with the C++ core and no trace).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import gc
+import weakref
+
+import pytest
+import torch
+
+import dtr
+import dtr.runtime
+from bench.harness import mismatches, train
+from tests.conftest import HAVE_CPP
+
+pytestmark = pytest.mark.skipif(not HAVE_CPP, reason="the C++ core is not built")
+
+MODELS = ["mlp", "cnn", "lstm", "transformer", "tree"]
+
+
+@functools.cache
+def _peak(name):
+    return train(name, dtr_kwargs={"cost_model": "roofline"}).stats.peak_resident_bytes
+
+
+@pytest.mark.parametrize("mode", ["budget", "stress"])
+@pytest.mark.parametrize("name", MODELS)
+def test_fast_and_python_paths_evict_alike(name, mode, logged, monkeypatch):
+    kwargs = {"cost_model": "roofline"}
+    if mode == "stress":  # every reuse is a recomputation
+        kwargs["stress"] = True
+    else:
+        kwargs["budget"] = int(_peak(name) * 0.4)
+    fast = train(name, dtr_kwargs=kwargs)
+    fast_log = logged[-1].eviction_log()
+    monkeypatch.setattr(dtr.runtime, "FAST_PATH", False)
+    slow = train(name, dtr_kwargs=kwargs)
+    # (stress mode's evictions are not the heuristic's choices: not in the log)
+    assert fast.stats.remats > 0 and (len(fast_log) > 0 or mode == "stress")
+    assert logged[-1].eviction_log() == fast_log
+    for field in ("ops", "evictions", "eager_evictions", "remats", "peak_resident_bytes"):
+        assert getattr(fast.stats, field) == getattr(slow.stats, field), field
+    assert not mismatches(fast, slow)
+    assert not mismatches(train(name), fast)  # and both are eager's, bit for bit
+
+
+def _fallbacks(monkeypatch) -> collections.Counter:
+    """Counts the ops the fast path hands to Runtime.handle, by name."""
+    counts: collections.Counter = collections.Counter()
+    handle = dtr.runtime.Runtime.handle
+
+    def counted(self, func, args, kwargs):
+        counts[str(func)] += 1
+        return handle(self, func, args, kwargs)
+
+    monkeypatch.setattr(dtr.runtime.Runtime, "handle", counted)
+    return counts
+
+
+@pytest.mark.parametrize("name", ["transformer", "tree"])
+def test_fast_path_serves_the_common_ops(name, monkeypatch):
+    counts = _fallbacks(monkeypatch)
+    run = train(name, dtr_kwargs={"budget": int(_peak(name) * 0.5), "cost_model": "roofline"})
+    assert run.stats.evictions > 0
+    # What handle() serves: dropout's random in-place steps, detach of a plain
+    # tensor, backward's seed, and ops whose input was evicted (rematerialized there).
+    assert sum(counts.values()) < 0.2 * run.stats.ops, counts
+    for name in ("aten.mm.default", "aten.addmm.default", "aten.t.default", "aten.view.default"):
+        assert counts[name] < 0.2 * run.stats.ops, (name, counts)
+
+
+def test_plain_ops_run_directly(monkeypatch):
+    # Optimizer state updated in place and ops under no_grad never reach handle().
+    counts = _fallbacks(monkeypatch)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(16, 16)
+    momentum = torch.zeros(16, 16)
+    with dtr.enable(budget="1MiB"):
+        for _ in range(3):
+            (x @ w).tanh().sum().backward()
+            with torch.no_grad():
+                momentum.mul_(0.9).add_(w.grad)
+                w.grad.zero_()
+                x.mul(2)
+    assert counts["aten.mul_.Tensor"] == counts["aten.zero_.default"] == 0, counts
+    assert counts["aten.mul.Tensor"] == 0, counts
+
+
+def test_a_write_to_a_plain_tensor_dtr_knows_goes_to_handle(monkeypatch):
+    # A parameter updated in place while a recipe still reads it: handle() must pin
+    # what depends on it first (Invariant 4), so the fast path may not run the write.
+    counts = _fallbacks(monkeypatch)
+    w = torch.randn(8, 8, requires_grad=True)
+    expected = (w.detach() * 2).tanh().sum().item()
+    with dtr.enable(budget="1MiB", stress=True):
+        h = (w * 2).tanh()
+        with torch.no_grad():
+            w.add_(1)
+        got = h.sum().item()
+    assert counts["aten.add_.Tensor"] == 1
+    assert got == expected
+
+
+def test_fast_path_only_with_the_cpp_core_and_no_recording(tmp_path, monkeypatch):
+    def kind(**kwargs):
+        with dtr.enable(**kwargs) as session:
+            return type(session._runtime.dispatch).__name__
+
+    assert kind() == "FastPath"
+    assert kind(trace=str(tmp_path / "t.jsonl")) == "method"  # the trace is written there
+    assert kind(timeline=True) == "method"
+    monkeypatch.setenv("DTR_FORCE_PYTHON", "1")
+    assert kind() == "method"
+
+
+def test_runtime_is_collected_after_the_session():
+    # The fast path holds its runtime; the session must not leak either.
+    x = torch.randn(8, 8, requires_grad=True)
+    with dtr.enable(budget="1MiB") as session:
+        (x * 2).relu().sum().backward()
+        ref = weakref.ref(session._runtime)
+    del session
+    gc.collect()
+    assert ref() is None
+
+
+def test_kernel_error_and_allocator_oom_on_the_fast_path(monkeypatch):
+    # The fast path calls the op's C++ callable (func._op), read once per session.
+    real = torch.ops.aten.mm.default._op
+    failures = [0]
+
+    def flaky_mm(*args, **kwargs):
+        if failures[0]:
+            failures[0] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 KiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.aten.mm.default, "_op", flaky_mm)
+    counts = _fallbacks(monkeypatch)
+    x = torch.randn(32, 32, requires_grad=True)
+    with dtr.enable(budget="64KiB", check=True) as session:
+        h = x.tanh()
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            h @ torch.randn(3, 3)
+        assert session._runtime.core.locked_bytes() == 0
+        # An allocator out-of-memory error from the kernel: evict, then run it again.
+        g = h.tanh()
+        spare = h.sin()  # what can be evicted
+        failures[0] = 1
+        y = (g @ h).sum()
+        assert failures == [0]
+        assert session._runtime.oom_retries == 1
+        assert not session._runtime.core.is_materialized(spare._dtr_ref.node.tid)
+        assert counts["aten.mm.default"] == 0  # both calls were the fast path's
+    assert torch.equal(dtr.materialize(y), (x.tanh().tanh() @ x.tanh()).sum())
+    assert torch.equal(dtr.materialize(spare), x.tanh().sin())
