@@ -2,15 +2,17 @@
 // (dtr/runtime.py) for the common op, in one call into C++.
 //
 // Every op the program runs under dtr.enable() comes here first (when the session uses
-// the C++ core and records no trace or timeline). An op qualifies when it writes none
-// of its arguments, draws no random numbers and needs none of the special handling the
-// runtime gives in-place views, meta-only ops, detach and collectives (decided once per
-// op overload by Runtime.fast_facts), and the call is simple: at least one managed
-// input, every managed input resident and of this runtime, every plain input strided
-// and already known to the core. Anything else goes to Runtime.handle, which serves
-// every op. Both make the same core calls in the same order (the comments name the
-// Python lines each step mirrors), so a decision never depends on which path ran; the
-// test suite runs on both (the pure-Python core never takes this path).
+// the C++ core and records no trace or timeline). Runtime.fast_route says once per op
+// overload what may be served here: ops that write no argument (random ones included),
+// in-place ops whose written arguments each get a new version (Invariant 4: managed,
+// written once, private), detach, and ops on plain tensors only that dtr need not
+// record. In-place views, meta-only ops, batch norm's hidden writes, collectives, writes
+// that must pin or snapshot, values of an ended session and non-strided tensors go to
+// Runtime.handle, which serves every op. Evicted inputs are rebuilt through the Python
+// driver (Runtime._value). Both paths make the same core calls in the same order (the
+// comments name the Python each step mirrors), so a decision never depends on which
+// path ran; tests/test_fastpath.py compares them, and the suite runs on both (the
+// pure-Python core never takes this path).
 //
 // Values, Nodes, Recipes and wrappers stay Python objects shared with the Python path;
 // what moves here is the interpreter's work between them: taking the call apart,
@@ -147,6 +149,7 @@ struct Leaf {
   py::object value;  // the plain tensor the op runs on
   py::object where;  // (index or kwarg name, list index or -1), as Call.where
   int64_t tid;
+  int64_t position;  // its argument's position in the schema, as Call.positions
 };
 
 struct Out {
@@ -195,6 +198,7 @@ class FastPath {
     set_conj_ = types.attr("set_conj");
     set_neg_ = types.attr("set_neg");
     object_new_ = types.attr("object_new");
+    capture_ = types.attr("capture");
     wrapper_kwnames_ =
         py::make_tuple("strides", "storage_offset", "dtype", "device", "layout", "requires_grad");
     nodes_ = rt_.attr("nodes");
@@ -217,7 +221,14 @@ class FastPath {
     bool managed = false;      // its calls on managed tensors may be run here
     int64_t plain = kPlainNo;  // what its calls on plain tensors only may do here
     bool detach = false, view = false;
-    bool plain_recipe = false;         // Recipe.__init__ would change none of its arguments
+    bool plain_recipe = false;  // Recipe.__init__ would change none of its arguments
+    // Its calls that write managed tensors may be run here, as new versions (Invariant
+    // 4): it returns only what it writes, and none of handle()'s special cases applies.
+    bool writes_managed = false;
+    std::vector<int64_t> writes;  // schema positions it writes
+    int64_t generator = -1;       // schema position of its Generator, if it draws numbers
+    bool seeded = false;
+    py::object arg_index, arg_names;
     py::object func, facts, name, op;  // op: func._op, the C++ callable behind func
     int64_t nreturns = 1;
   };
@@ -229,22 +240,26 @@ class FastPath {
 
   const OpInfo& info(py::handle func);
   py::object fallback(py::handle func, py::handle args, py::handle kwargs);
-  Scan scan(PyObject* args, PyObject* kwargs, std::vector<Leaf>& leaves);
+  Scan scan(const OpInfo& op, PyObject* args, PyObject* kwargs, std::vector<Leaf>& leaves);
+  bool versioned_writes(const OpInfo& op, const std::vector<Leaf>& leaves,
+                        std::vector<size_t>& written);
   bool known(const std::vector<Leaf>& leaves);
-  py::object run(const OpInfo& op, PyObject* args, PyObject* kwargs, std::vector<Leaf>& leaves);
+  py::object run(const OpInfo& op, PyObject* args, PyObject* kwargs, std::vector<Leaf>& leaves,
+                 const std::vector<size_t>& written = {});
   void flush();
   void drain();
   void settle(const std::vector<int64_t>& fresh, const OpInfo& op);
   int64_t constant(PyObject* arg, std::vector<int64_t>& fresh);
   py::object new_wrapper(py::handle ref, py::handle like);
   py::object new_recipe(const OpInfo& op, const py::object& args, const py::object& kwargs,
-                        const py::list& where, const py::list& inputs, const py::list& specs,
+                        const py::list& where, const py::list& inputs, const py::tuple& clone,
+                        const py::list& specs, const py::object& captured,
                         const std::vector<Leaf>& leaves);
   void set_item(const py::object& list, int64_t index, py::handle value);
   [[noreturn]] void budget_error(const std::vector<int64_t>& fresh, const OpInfo& op);
 
   py::object rt_, ckpt_type_, node_type_, ref_type_, recipe_type_, oom_type_, roofline_;
-  py::object make_wrapper_, set_conj_, set_neg_, object_new_, wrapper_kwnames_;
+  py::object make_wrapper_, set_conj_, set_neg_, object_new_, wrapper_kwnames_, capture_;
   py::object nodes_, storages_, const_keys_, escaped_, escaped_keys_, sizes_, lock_;
   py::object core_obj_;
   Core* core_;
@@ -264,7 +279,8 @@ class FastPath {
                    s_kwargs_ = intern("kwargs"), s_where_ = intern("where"),
                    s_inputs_ = intern("inputs"), s_clone_ = intern("clone"),
                    s_specs_ = intern("specs"), s_rng_ = intern("rng"), s_grad_ = intern("grad"),
-                   s_versions_ = intern("versions");
+                   s_versions_ = intern("versions"), s_device_ = intern("device"),
+                   s_value_fn_ = intern("_value");
 };
 
 // Runtime.lock held for the call, as `with self.lock:` in Runtime.handle.
@@ -299,6 +315,12 @@ const FastPath::OpInfo& FastPath::info(py::handle func) {
   op.managed = route[1].cast<bool>();
   op.plain = route[2].cast<int64_t>();
   op.detach = route[3].cast<bool>();
+  op.writes_managed = route[4].cast<bool>();
+  for (py::handle w : op.facts.attr("writes")) op.writes.push_back(w.cast<int64_t>());
+  op.seeded = op.facts.attr("seeded").cast<bool>();
+  op.generator = op.facts.attr("generator").cast<int64_t>();
+  op.arg_index = op.facts.attr("arg_index");
+  op.arg_names = op.facts.attr("arg_names");
   op.view = op.facts.attr("view").cast<bool>();
   op.plain_recipe = !op.facts.attr("arg_index").contains("non_blocking");
   op.name = op.facts.attr("name");
@@ -337,11 +359,14 @@ py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwa
       return fallback(func, args, kwargs);
     }
     std::vector<Leaf> leaves;
-    Scan sc = scan(args.ptr(), kw, leaves);
+    Scan sc = scan(op, args.ptr(), kw, leaves);
     if (!sc.simple) return fallback(func, args, kwargs);
     if (sc.managed) {
-      if (!op.managed) return fallback(func, args, kwargs);
-      return run(op, args.ptr(), kw, leaves);
+      if (op.managed) return run(op, args.ptr(), kw, leaves);
+      std::vector<size_t> written;
+      if (op.writes_managed && versioned_writes(op, leaves, written))
+        return run(op, args.ptr(), kw, leaves, written);
+      return fallback(func, args, kwargs);
     }
     // Plain tensors only (handle()'s `if not managed:` branch).
     bool direct = false;
@@ -442,12 +467,24 @@ void FastPath::budget_error(const std::vector<int64_t>& fresh, const OpInfo& op)
   throw py::error_already_set();
 }
 
-FastPath::Scan FastPath::scan(PyObject* args, PyObject* kwargs, std::vector<Leaf>& leaves) {
+FastPath::Scan FastPath::scan(const OpInfo& op, PyObject* args, PyObject* kwargs,
+                              std::vector<Leaf>& leaves) {
   Scan sc;
+  PyObject* arg_index = op.arg_index.ptr();
   PyTypeObject* ckpt = reinterpret_cast<PyTypeObject*>(ckpt_type_.ptr());
   walk(args, kwargs, [&](PyObject* a, PyObject* key, Py_ssize_t index, Py_ssize_t j) {
     if (!sc.simple) return;
-    Leaf leaf{a, py::object(), py::object(), py::object(), -1};
+    int64_t position = index;
+    if (key != nullptr) {
+      PyObject* at = PyDict_GetItemWithError(arg_index, key);
+      if (at == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        sc.simple = false;  // an argument the schema does not name: the op will say
+        return;
+      }
+      position = PyLong_AsLongLong(at);
+    }
+    Leaf leaf{a, py::object(), py::object(), py::object(), -1, position};
     if (PyObject_TypeCheck(a, ckpt)) {
       py::object ref = get(a, s_ref_);
       if (get(ref, s_runtime_).ptr() != rt_.ptr()) {
@@ -455,11 +492,7 @@ FastPath::Scan FastPath::scan(PyObject* args, PyObject* kwargs, std::vector<Leaf
         return;
       }
       leaf.node = get(ref, s_node_);
-      leaf.value = get(leaf.node, s_value_);
-      if (leaf.value.is_none()) {
-        sc.simple = false;  // evicted: rematerialized on the Python path
-        return;
-      }
+      leaf.value = get(leaf.node, s_value_);  // None while evicted: rebuilt in run()
       leaf.tid = get(leaf.node, s_tid_).cast<int64_t>();
       sc.managed = true;
     } else {
@@ -479,9 +512,31 @@ FastPath::Scan FastPath::scan(PyObject* args, PyObject* kwargs, std::vector<Leaf
   return sc;
 }
 
-// Runtime._run, _record and _settle for a call that scan() found simple.
+// _prepare_writes for a call whose written arguments may all get a new version: each is
+// managed, written once, and private (the only member of its storage the program holds,
+// every member recomputable). Fills `written` (leaf indices, in leaf order); false when
+// handle() must serve the call (it pins aliased values and snapshots arguments).
+bool FastPath::versioned_writes(const OpInfo& op, const std::vector<Leaf>& leaves,
+                                std::vector<size_t>& written) {
+  for (size_t k = 0; k < leaves.size(); ++k)
+    for (int64_t w : op.writes)
+      if (leaves[k].position == w) {
+        written.push_back(k);
+        break;
+      }
+  for (size_t k : written) {
+    if (!leaves[k].node) return false;  // a plain tensor written: _writes_to_plain_leaf
+    for (size_t j : written)
+      if (j != k && leaves[j].node.ptr() == leaves[k].node.ptr()) return false;
+    if (!core_->is_private(leaves[k].tid)) return false;
+  }
+  return !written.empty();
+}
+
+// Runtime._run, _record and _settle for a call that scan() found simple; `written`:
+// the leaves it writes, each to get a new version (see versioned_writes).
 py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
-                         std::vector<Leaf>& leaves) {
+                         std::vector<Leaf>& leaves, const std::vector<size_t>& written) {
   Core& core = *core_;
   // ---- Runtime._run
   const size_t n = leaves.size();
@@ -499,9 +554,30 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
   }
   for (const Leaf& leaf : leaves)
     if (leaf.node) locks.lock(leaf.tid);
+  for (Leaf& leaf : leaves)  // Runtime._value: rematerialize what is evicted
+    if (leaf.node && leaf.value.is_none()) leaf.value = call(get(rt_, s_value_fn_), {leaf.node});
   if (reserve != 0 && 0 <= core.budget && core.budget < core.resident_bytes + reserve) {
     core.make_room(reserve);  // room for the outputs (dtr/reserve.py)
     drain();
+  }
+  std::vector<int64_t> extra;  // core inputs beyond the leaves: the captured RNG state
+  py::object captured = py::none();
+  if (op.seeded) {
+    // Call.argument(facts, facts.generator), then rng.capture(gen, _device_of(leaves))
+    py::object gen = py::none();
+    if (op.generator >= 0) {
+      if (op.generator < PyTuple_GET_SIZE(args)) {
+        gen = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(args, op.generator));
+      } else if (kwargs != nullptr) {
+        PyObject* name = PyTuple_GET_ITEM(op.arg_names.ptr(), op.generator);
+        PyObject* g = PyDict_GetItemWithError(kwargs, name);
+        if (g == nullptr && PyErr_Occurred()) throw py::error_already_set();
+        if (g != nullptr) gen = py::reinterpret_borrow<py::object>(g);
+      }
+    }
+    captured = call(capture_, {gen, get(py::handle(leaves[0].arg), s_device_)});
+    // The saved generator state is memory the recipe holds: count it.
+    extra.push_back(constant(PyTuple_GET_ITEM(captured.ptr(), 1), locks.fresh));
   }
   std::vector<PyObject*> vals(n);
   for (size_t k = 0; k < n; ++k) vals[k] = leaves[k].value.ptr();
@@ -514,8 +590,8 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
   } else {
     py::error_already_set exc;
     if (!exc.matches(oom_type_)) throw exc;
-    out = call(get(rt_, s_retry_),
-               {exc.value(), op.func, real_args, real_kwargs, py::bool_(true), py::none()});
+    out = call(get(rt_, s_retry_), {exc.value(), op.func, real_args, real_kwargs,
+                                    py::bool_(written.empty()), captured});
   }
   double cost = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
@@ -552,12 +628,34 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
   if (model_cost_ || !(THPVariable_Unpack(vals[0]).is_cpu() && first_cpu))
     cost = call(roofline_, {op.func, real_args, real_kwargs, out}).cast<double>();
 
+  // The recorded outputs: new versions of the written arguments first, then the fresh
+  // tensors it returned, each with its spec (dtr/recipe.py) and value.
   std::vector<int64_t> kinds, refs, nbytes;
-  std::vector<size_t> kept;  // indices into outs that become managed
-  for (size_t q = 0; q < outs.size(); ++q) {
-    const at::Tensor& o = THPVariable_Unpack(outs[q].tensor);
-    if (o.layout() != c10::kStrided) continue;  // a sparse result stays plain
-    c10::StorageImpl* storage = o.storage().unsafeGetStorageImpl();
+  std::vector<std::pair<int64_t, int64_t>> specs_of;
+  std::vector<PyObject*> produced;
+  std::vector<Out*> out_of;  // the Out a recorded output came from; null for a version
+  for (size_t k : written) {
+    kinds.push_back(kVersion);
+    refs.push_back(leaves[k].tid);
+    nbytes.push_back(0);
+    specs_of.emplace_back(-1, static_cast<int64_t>(k));  // (VERSION_SPEC, leaf)
+    produced.push_back(vals[k]);
+    out_of.push_back(nullptr);
+  }
+  for (Out& o : outs) {
+    int64_t same = -1;  // _identity: an in-place op returned its argument
+    for (size_t k : written)
+      if (vals[k] == o.tensor) {
+        same = static_cast<int64_t>(k);
+        break;
+      }
+    if (same >= 0) {
+      o.wrapper = py::reinterpret_borrow<py::object>(leaves[same].arg);
+      continue;
+    }
+    const at::Tensor& t = THPVariable_Unpack(o.tensor);
+    if (t.layout() != c10::kStrided) continue;  // a sparse result stays plain
+    c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
     int64_t src = -1;  // the last input sharing its storage, as the dict in _record
     for (size_t k = n; k-- > 0;)
       if (THPVariable_Unpack(vals[k]).storage().unsafeGetStorageImpl() == storage) {
@@ -572,46 +670,54 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
     } else {
       kinds.push_back(kNew);
       refs.push_back(-1);
-      nbytes.push_back(static_cast<int64_t>(o.storage().nbytes()));
+      nbytes.push_back(static_cast<int64_t>(t.storage().nbytes()));
     }
-    kept.push_back(q);
+    specs_of.emplace_back(o.i, o.j);
+    produced.push_back(o.tensor);
+    out_of.push_back(&o);
   }
   if (size_key) {
     int64_t total = 0;
     for (int64_t b : nbytes) total += b;
     sizes_.attr(s_learn_)(size_key, total);
   }
-  if (kinds.empty()) {  // every returned tensor stays plain
-    locks.unlock_all();
-    settle({}, op);
-    return out;
+  std::vector<int64_t> protect;  // the fresh outputs (not versions), kept while settling
+  if (!kinds.empty()) {
+    std::vector<int64_t> inputs(n);
+    for (size_t k = 0; k < n; ++k) inputs[k] = leaves[k].tid;
+    inputs.insert(inputs.end(), extra.begin(), extra.end());
+    std::vector<int64_t> out_tids = core.record(inputs, cost, kinds, refs, nbytes);
+    std::vector<PyObject*> nones(n, Py_None);
+    auto [t_args, t_kwargs] = substitute(args, kwargs, nones);
+    py::list where(n), rec_inputs(n), specs(kinds.size());
+    for (size_t k = 0; k < n; ++k) {
+      where[k] = leaves[k].where;
+      rec_inputs[k] = leaves[k].node ? leaves[k].node : leaves[k].value;
+    }
+    for (size_t q = 0; q < kinds.size(); ++q)
+      specs[q] = py::make_tuple(specs_of[q].first, specs_of[q].second);
+    py::tuple clone(written.size());
+    for (size_t w = 0; w < written.size(); ++w) clone[w] = py::int_(written[w]);
+    py::object rec =
+        new_recipe(op, t_args, t_kwargs, where, rec_inputs, clone, specs, captured, leaves);
+    py::object rec_outputs = get(rec, s_outputs_);
+    for (size_t q = 0; q < kinds.size(); ++q) {
+      py::handle value(produced[q]);
+      py::int_ tid(out_tids[q]);
+      py::object node = call(node_type_, {tid, value, op.name, get(value, s_shape_)});
+      set_item(nodes_, out_tids[q], node);
+      if (PyList_Append(rec_outputs.ptr(), node.ptr()) < 0) throw py::error_already_set();
+      if (kinds[q] == kVersion) {
+        // the program's handle moves to the new version
+        set(get(py::handle(leaves[specs_of[q].second].arg), s_ref_), s_node_, node);
+      } else {
+        protect.push_back(out_tids[q]);
+        out_of[q]->wrapper = new_wrapper(call(ref_type_, {node, rt_}), value);
+      }
+    }
+    set_item(get(rt_, s_recipes_), core.recipe_of(out_tids[0]), rec);
+    drain();
   }
-
-  std::vector<int64_t> inputs(n);
-  for (size_t k = 0; k < n; ++k) inputs[k] = leaves[k].tid;
-  std::vector<int64_t> out_tids = core.record(inputs, cost, kinds, refs, nbytes);
-  std::vector<PyObject*> nones(n, Py_None);
-  auto [t_args, t_kwargs] = substitute(args, kwargs, nones);
-  py::list where(n), rec_inputs(n), specs(kept.size());
-  for (size_t k = 0; k < n; ++k) {
-    where[k] = leaves[k].where;
-    rec_inputs[k] = leaves[k].node ? leaves[k].node : leaves[k].value;
-  }
-  for (size_t q = 0; q < kept.size(); ++q)
-    specs[q] = py::make_tuple(outs[kept[q]].i, outs[kept[q]].j);
-  py::object rec = new_recipe(op, t_args, t_kwargs, where, rec_inputs, specs, leaves);
-  py::object rec_outputs = get(rec, s_outputs_);
-  for (size_t q = 0; q < kept.size(); ++q) {
-    Out& o = outs[kept[q]];
-    py::handle value(o.tensor);
-    py::int_ tid(out_tids[q]);
-    py::object node = call(node_type_, {tid, value, op.name, get(value, s_shape_)});
-    set_item(nodes_, out_tids[q], node);
-    if (PyList_Append(rec_outputs.ptr(), node.ptr()) < 0) throw py::error_already_set();
-    o.wrapper = new_wrapper(call(ref_type_, {node, rt_}), value);
-  }
-  set_item(get(rt_, s_recipes_), core.recipe_of(out_tids[0]), rec);
-  drain();
 
   // rebuild_returns: the op's result with the managed tensors swapped for wrappers
   auto replacement = [&](int64_t i, int64_t j, PyObject* x) -> PyObject* {
@@ -653,7 +759,7 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
                                            : call(py::type::of(out), {items});
   }
   locks.unlock_all();  // the `finally` of Runtime._run
-  settle(out_tids, op);
+  settle(protect, op);
   return result;
 }
 
@@ -703,16 +809,18 @@ py::object FastPath::new_wrapper(py::handle ref, py::handle like) {
   return w;
 }
 
-// Recipe(func, facts, args, kwargs, where, inputs, (), specs, None, grad) (dtr/recipe.py)
-// for an op that writes no argument and draws no random numbers. When its __init__ would
-// change nothing (no non_blocking argument) its slots are filled here directly.
+// Recipe(func, facts, args, kwargs, where, inputs, clone, specs, captured, grad)
+// (dtr/recipe.py). For an op that writes no argument and draws no random numbers, when
+// its __init__ would change nothing (no non_blocking argument), the slots are filled
+// here directly.
 py::object FastPath::new_recipe(const OpInfo& op, const py::object& args, const py::object& kwargs,
                                 const py::list& where, const py::list& inputs,
-                                const py::list& specs, const std::vector<Leaf>& leaves) {
+                                const py::tuple& clone, const py::list& specs,
+                                const py::object& captured, const std::vector<Leaf>& leaves) {
   py::bool_ grad(at::GradMode::is_enabled());
-  if (!op.plain_recipe)
-    return call(recipe_type_, {op.func, op.facts, args, kwargs, where, inputs, py::tuple(), specs,
-                               py::none(), grad});
+  if (!op.plain_recipe || clone.size() > 0 || !captured.is_none())
+    return call(recipe_type_,
+                {op.func, op.facts, args, kwargs, where, inputs, clone, specs, captured, grad});
   py::object rec = call(object_new_, {recipe_type_});
   set(rec, s_func_, op.func);
   set(rec, s_facts_, op.facts);

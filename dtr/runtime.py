@@ -142,30 +142,33 @@ class Runtime(Driver):
             self, _FAST_TYPES, self.config.stress, self.config.check, self.model_cost
         )
 
-    def fast_route(self, func) -> tuple[OpFacts, bool, int, bool]:
+    def fast_route(self, func) -> tuple[OpFacts, bool, int, bool, bool]:
         """How the fast path may serve func's calls, asked once per op overload:
-        (facts, whether calls on managed tensors may run there (it writes no argument,
-        draws no random numbers and needs none of handle()'s special cases), what calls
-        on plain tensors only may do there (_PLAIN_*), whether it is detach)."""
+        (facts, whether calls on managed tensors that write nothing may run there, what
+        calls on plain tensors only may do there (_PLAIN_*), whether it is detach,
+        whether calls that write managed tensors may run there when each written one
+        gets a new version). None of handle()'s special cases may apply."""
         facts = op_facts(func)
-        managed = not (
-            facts.writes
-            or facts.hidden_writes is not None
-            or facts.seeded
+        special = (
+            facts.hidden_writes is not None
             or facts.meta_only
             or facts.view_inplace is not None
             or facts.metadata_inplace
             or facts.collective
-            or facts.plain_returns
+            or bool(facts.plain_returns)
             or func in _SPECIAL
         )
+        managed = not special and not facts.writes
+        # An op that returns a fresh tensor besides what it writes needs a snapshot of
+        # the written value for its recipe (_prepare_writes): handle()'s.
+        writes_managed = not special and bool(facts.writes) and not facts.fresh_returns
         if facts.collective or facts.hidden_writes is not None or func in _SPECIAL:
             plain = _PLAIN_NO
         elif facts.writes:
             plain = _PLAIN_WRITE if facts.view_inplace is None else _PLAIN_NO
         else:
             plain = _PLAIN_READ
-        return facts, managed, plain, func is aten.detach.default
+        return facts, managed, plain, func is aten.detach.default, writes_managed
 
     def handle(self, func, args: tuple, kwargs: dict):
         with self.lock:
@@ -931,6 +934,7 @@ _FAST_TYPES = types.SimpleNamespace(
     set_conj=torch._C._set_conj,
     set_neg=torch._C._set_neg,
     object_new=object.__new__,
+    capture=rng.capture,
 )
 
 

@@ -77,6 +77,41 @@ def test_fast_path_serves_the_common_ops(name, monkeypatch):
         assert counts[name] < 0.2 * run.stats.ops, (name, counts)
 
 
+def _in_place_program(x: torch.Tensor) -> list[torch.Tensor]:
+    h = torch.nn.functional.dropout(x * 2, 0.5, training=True)  # bernoulli_, div_
+    h = h.add_(1).relu_()  # in-place ops on private values: new versions
+    g = torch.rand_like(h).mul_(2)  # random, then in place
+    out = (h.sin() + g).tanh()
+    out.sum().backward()
+    return [out.detach(), x.grad]
+
+
+@pytest.mark.parametrize("stress", [False, True])
+def test_in_place_and_random_ops_on_the_fast_path(stress, monkeypatch):
+    # New versions (Invariant 4) and RNG replay (Invariant 1) on the fast path: the same
+    # values as eager and as the Python path, every recomputation included (stress).
+    torch.manual_seed(0)
+    x = torch.randn(32, 32, requires_grad=True)
+    torch.manual_seed(1)
+    expected = _in_place_program(x)
+    results = []
+    for fast in (True, False):
+        monkeypatch.setattr(dtr.runtime, "FAST_PATH", fast)
+        counts = _fallbacks(monkeypatch)
+        x.grad = None
+        torch.manual_seed(1)
+        with dtr.enable(stress=stress) as session:
+            got = _in_place_program(x)
+            results.append([dtr.materialize(t) for t in got])
+        assert session.stats().remats > 0 or not stress
+        if fast:  # (evicted inputs are rebuilt from the fast path too)
+            for name in ("bernoulli_.float", "div_.Scalar", "relu_.default", "mul_.Scalar"):
+                assert counts["aten." + name] == 0, counts
+    for got in results:
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+
+
 def test_plain_ops_run_directly(monkeypatch):
     # Optimizer state updated in place and ops under no_grad never reach handle().
     counts = _fallbacks(monkeypatch)
