@@ -339,49 +339,45 @@ py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwa
   if (!PyTuple_Check(args.ptr()) || !(kwargs.is_none() || PyDict_CheckExact(kwargs.ptr())))
     return fallback(func, args, kwargs);
   PyObject* kw = kwargs.is_none() || PyDict_GET_SIZE(kwargs.ptr()) == 0 ? nullptr : kwargs.ptr();
-  py::object result;
-  {
-    Held held(lock_.ptr(), s_acquire_.ptr(), s_release_.ptr());
-    // A closed runtime, or a core the program swapped (tests wrap it): the Python path.
-    if (!PyObject_IsTrue(get(rt_, s_is_open_).ptr()) || get(rt_, s_core_).ptr() != core_obj_.ptr())
-      return fallback(func, args, kwargs);
-    flush();
-    if (op.detach) {
-      // _detach: a detached managed tensor shares its Ref, even while evicted.
-      PyObject* t = PyTuple_GET_SIZE(args.ptr()) == 1 && kw == nullptr
-                        ? PyTuple_GET_ITEM(args.ptr(), 0)
-                        : nullptr;
-      if (t != nullptr &&
-          PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(ckpt_type_.ptr()))) {
-        py::object ref = get(t, s_ref_);
-        if (get(ref, s_runtime_).ptr() == rt_.ptr()) return new_wrapper(ref, t);
-      }
-      return fallback(func, args, kwargs);
+  Held held(lock_.ptr(), s_acquire_.ptr(), s_release_.ptr());  // `with self.lock:`
+  // A closed runtime, or a core the program swapped (tests wrap it): the Python path.
+  if (!PyObject_IsTrue(get(rt_, s_is_open_).ptr()) || get(rt_, s_core_).ptr() != core_obj_.ptr())
+    return fallback(func, args, kwargs);
+  flush();
+  if (op.detach) {
+    // _detach: a detached managed tensor shares its Ref, even while evicted.
+    PyObject* t = PyTuple_GET_SIZE(args.ptr()) == 1 && kw == nullptr
+                      ? PyTuple_GET_ITEM(args.ptr(), 0)
+                      : nullptr;
+    if (t != nullptr && PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(ckpt_type_.ptr()))) {
+      py::object ref = get(t, s_ref_);
+      if (get(ref, s_runtime_).ptr() == rt_.ptr()) return new_wrapper(ref, t);
     }
-    std::vector<Leaf> leaves;
-    Scan sc = scan(op, args.ptr(), kw, leaves);
-    if (!sc.simple) return fallback(func, args, kwargs);
-    if (sc.managed) {
-      if (op.managed) return run(op, args.ptr(), kw, leaves);
-      std::vector<size_t> written;
-      if (op.writes_managed && versioned_writes(op, leaves, written))
-        return run(op, args.ptr(), kw, leaves, written);
-      return fallback(func, args, kwargs);
-    }
-    // Plain tensors only (handle()'s `if not managed:` branch).
-    bool direct = false;
-    if (op.plain == kPlainWrite) {
-      // _writes_to_plain has nothing to do unless dtr knows one of the arguments.
-      direct = !known(leaves);
-    } else if (op.plain == kPlainRead) {
-      direct = op.view || !(at::GradMode::is_enabled() && sc.requires_grad);
-      if (!direct && op.managed) return run(op, args.ptr(), kw, leaves);  // _wants_management
-    }
-    if (!direct) return fallback(func, args, kwargs);
-    PyObject* raw = PyObject_Call(op.op.ptr(), args.ptr(), kw);
-    if (raw == nullptr) throw py::error_already_set();
-    return py::reinterpret_steal<py::object>(raw);
+    return fallback(func, args, kwargs);
   }
+  std::vector<Leaf> leaves;
+  Scan sc = scan(op, args.ptr(), kw, leaves);
+  if (!sc.simple) return fallback(func, args, kwargs);
+  if (sc.managed) {
+    if (op.managed) return run(op, args.ptr(), kw, leaves);
+    std::vector<size_t> written;
+    if (op.writes_managed && versioned_writes(op, leaves, written))
+      return run(op, args.ptr(), kw, leaves, written);
+    return fallback(func, args, kwargs);
+  }
+  // Plain tensors only (handle()'s `if not managed:` branch).
+  bool direct = false;
+  if (op.plain == kPlainWrite) {
+    // _writes_to_plain has nothing to do unless dtr knows one of the arguments.
+    direct = !known(leaves);
+  } else if (op.plain == kPlainRead) {
+    direct = op.view || !(at::GradMode::is_enabled() && sc.requires_grad);
+    if (!direct && op.managed) return run(op, args.ptr(), kw, leaves);  // _wants_management
+  }
+  if (!direct) return fallback(func, args, kwargs);
+  PyObject* raw = PyObject_Call(op.op.ptr(), args.ptr(), kw);
+  if (raw == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(raw);
 }
 
 // Whether dtr knows the storage of any plain leaf (a constant, or a value handed out).
@@ -733,8 +729,12 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
     size_t k = 0;
     return py::reinterpret_steal<py::object>(substitute_item(r, swapped, k));
   };
+  bool swapped = false;
+  for (const Out& o : outs) swapped = swapped || static_cast<bool>(o.wrapper);
   py::object result;
-  if (op.nreturns == 1) {
+  if (!swapped) {  // nothing to swap (plain results, or an op returning nothing)
+    result = out;
+  } else if (op.nreturns == 1) {
     if (THPVariable_Check(out.ptr())) {
       result = py::reinterpret_borrow<py::object>(replacement(0, -1, out.ptr()));
     } else if (is_seq(out.ptr())) {
