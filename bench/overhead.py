@@ -2,13 +2,14 @@
 
 For small ops (64x64 add, matmul, relu, a view, an in-place add) on managed tensors:
 eager time per op, dtr's with no budget and under a budget (a budget is checked at every
-op boundary; here nothing is evicted, so this is the price of the check), side by side in
-one process, medians of several repeats. Then the add through each layer of the Python
+op boundary; here nothing is evicted, so this is the price of the check), and dtr's
+Python path (Runtime.handle, what the C++ fast path stands in for), side by side in one
+process, medians of several repeats. Then the add through each layer of the Python
 route without dtr's bookkeeping (a no-op dispatch mode, a no-op wrapper subclass): the
-floor of any design that keeps Python dispatch. Then a profile of dtr's path for the
-add, split into: the kernel itself (what eager pays), dtr's Python dispatch and
-bookkeeping, calls into the core, and the victim search (make_room). Then a full
-training step of each bench model with no budget against eager. Writes
+floor of any design that keeps Python dispatch. Then a cProfile split of dtr's add
+(it cannot see into the C++ fast path: the bookkeeping there and the kernel it calls are
+charged to the dispatch handler). Then a full training step of each bench model with no
+budget against eager, on the fast path and on the Python path. Writes
 bench/results/overhead.csv.
 
     python -m bench.overhead            # about a minute
@@ -160,8 +161,10 @@ def floors(n: int, repeats: int) -> list[dict]:
 
 def _category(func: tuple) -> str:
     filename, _, name = func
-    if "FastPath" in name:
-        return "C++ fast path (bookkeeping, kernel)"
+    if filename.endswith("session.py"):
+        # the mode's handler: cProfile charges it the C++ fast path it calls (and the
+        # kernel and victim search the fast path runs), a call it does not see into
+        return "dispatch handler and C++ fast path (kernel included)"
     if "make_room" in name or "evict" in name:
         return "victim search"
     if "dtr._C" in name or "_pycore" in filename or "Core" in name:
