@@ -8,15 +8,17 @@
 // written once, private), detach, and ops on plain tensors only that dtr need not
 // record. In-place views, meta-only ops, batch norm's hidden writes, collectives, writes
 // that must pin or snapshot, values of an ended session and non-strided tensors go to
-// Runtime.handle, which serves every op. Evicted inputs are rebuilt through the Python
-// driver (Runtime._value). Both paths make the same core calls in the same order (the
+// Runtime.handle, which serves every op. Evicted inputs are rebuilt here as well (the
+// driver loop, and the replay of recipes with no RNG state, written argument or stand-
+// in; the others by Recipe.replay). Both paths make the same core calls in the same order (the
 // comments name the Python each step mirrors), so a decision never depends on which
 // path ran; tests/test_fastpath.py compares them, and the suite runs on both (the
 // pure-Python core never takes this path).
 //
 // Values, Nodes, Recipes and wrappers stay Python objects shared with the Python path;
 // what moves here is the interpreter's work between them: taking the call apart,
-// locking, recording, draining, settling (dtr/NOTES.md, "The per-op fast path").
+// locking, recording, draining, settling, recomputing (dtr/NOTES.md, "The per-op fast
+// path").
 #include "fastpath.h"
 
 #include <ATen/core/grad_mode.h>
@@ -199,6 +201,8 @@ class FastPath {
     set_neg_ = types.attr("set_neg");
     object_new_ = types.attr("object_new");
     capture_ = types.attr("capture");
+    recipe_freed_ = types.attr("recipe_freed");
+    recipe_written_ = types.attr("recipe_written");
     wrapper_kwnames_ =
         py::make_tuple("strides", "storage_offset", "dtype", "device", "layout", "requires_grad");
     nodes_ = rt_.attr("nodes");
@@ -248,6 +252,10 @@ class FastPath {
                  const std::vector<size_t>& written = {});
   void flush();
   void drain();
+  void rematerialize(int64_t tid);
+  std::vector<int64_t> rerun(int64_t rid, const std::vector<int64_t>& stolen);
+  py::object replay(const py::object& rec);
+  [[noreturn]] void throw_from(const py::object& make, py::handle name, py::handle tensor);
   void settle(const std::vector<int64_t>& fresh, const OpInfo& op);
   int64_t constant(PyObject* arg, std::vector<int64_t>& fresh);
   py::object new_wrapper(py::handle ref, py::handle like);
@@ -260,6 +268,7 @@ class FastPath {
 
   py::object rt_, ckpt_type_, node_type_, ref_type_, recipe_type_, oom_type_, roofline_;
   py::object make_wrapper_, set_conj_, set_neg_, object_new_, wrapper_kwnames_, capture_;
+  py::object recipe_freed_, recipe_written_;
   py::object nodes_, storages_, const_keys_, escaped_, escaped_keys_, sizes_, lock_;
   py::object core_obj_;
   Core* core_;
@@ -280,7 +289,10 @@ class FastPath {
                    s_inputs_ = intern("inputs"), s_clone_ = intern("clone"),
                    s_specs_ = intern("specs"), s_rng_ = intern("rng"), s_grad_ = intern("grad"),
                    s_versions_ = intern("versions"), s_device_ = intern("device"),
-                   s_value_fn_ = intern("_value");
+                   s_value_fn_ = intern("_value"), s_stealing_ = intern("_stealing"),
+                   s_after_steal_ = intern("_after_interrupted_steal"),
+                   s_out_of_budget_ = intern("out_of_budget"), s_rerun_ = intern("rerun"),
+                   s_recompute_seconds_ = intern("recompute_seconds");
 };
 
 // Runtime.lock held for the call, as `with self.lock:` in Runtime.handle.
@@ -378,6 +390,164 @@ py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwa
   PyObject* raw = PyObject_Call(op.op.ptr(), args.ptr(), kw);
   if (raw == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(raw);
+}
+
+// Runtime.rematerialize (Driver.rematerialize in dtr/protocol.py): rerun the recipes
+// that rebuild tid, in the order the core schedules them. The caller holds tid locked.
+void FastPath::rematerialize(int64_t tid) {
+  Core& core = *core_;
+  py::none none;
+  set(rt_, s_stealing_, none);
+  try {
+    core.remat_begin(tid);
+    bool finished = false;
+    try {
+      while (true) {
+        int64_t rid = core.remat_step();
+        if (rid < 0) break;
+        int64_t need = core.remat_bytes(rid);
+        if (!core.make_room(need)) {
+          py::object exc = rt_.attr(s_out_of_budget_)(rid, need);
+          PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+          throw py::error_already_set();
+        }
+        drain();
+        std::vector<int64_t> stolen = core.steals(rid);
+        std::vector<int64_t> nbytes = rerun(rid, stolen);
+        core.remat_done(rid, nbytes, stolen);
+      }
+      finished = true;
+    } catch (...) {
+      if (!finished) core.remat_abort();
+      drain();
+      throw;
+    }
+    drain();
+  } catch (...) {
+    // A rerun that wrote into the storage of the version it updates was interrupted
+    // before remat_done (Runtime._after_interrupted_steal says what that needs).
+    if (!get(rt_, s_stealing_).is_none()) rt_.attr(s_after_steal_)();
+    throw;
+  }
+}
+
+// Runtime.rerun: rerun recipe rid and give its outputs their values; returns the
+// storage size of each. Recipes that replay an RNG state, copy a written argument, or
+// read a meta-only op's stand-in are replayed by their own Python (Recipe.replay).
+std::vector<int64_t> FastPath::rerun(int64_t rid, const std::vector<int64_t>& stolen) {
+  py::object rec = py::reinterpret_borrow<py::object>(
+      PyList_GET_ITEM(get(rt_, s_recipes_).ptr(), static_cast<Py_ssize_t>(rid)));
+  bool simple = stolen.empty() && get(rec, s_rng_).is_none() &&
+                PyTuple_GET_SIZE(get(rec, s_clone_).ptr()) == 0;
+  py::object inputs = get(rec, s_inputs_);
+  for (py::handle x : inputs)
+    simple = simple && (Py_TYPE(x.ptr()) == reinterpret_cast<PyTypeObject*>(node_type_.ptr()) ||
+                        THPVariable_Check(x.ptr()));
+  if (!simple) {
+    py::list stolen_list(stolen.size());
+    for (size_t k = 0; k < stolen.size(); ++k) stolen_list[k] = py::int_(stolen[k]);
+    return rt_.attr(s_rerun_)(rid, stolen_list).cast<std::vector<int64_t>>();
+  }
+  auto start = std::chrono::steady_clock::now();
+  py::object values = replay(rec);
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double total = get(rt_, s_recompute_seconds_).cast<double>() + seconds;
+  set(rt_, s_recompute_seconds_, py::float_(total));
+  std::vector<int64_t> nbytes;
+  py::object outputs = get(rec, s_outputs_);
+  Py_ssize_t m = PyList_GET_SIZE(values.ptr());
+  for (Py_ssize_t q = 0; q < m && q < PyList_GET_SIZE(outputs.ptr()); ++q) {
+    py::handle node(PyList_GET_ITEM(outputs.ptr(), q));
+    PyObject* value = PyList_GET_ITEM(values.ptr(), q);
+    if (get(node, s_tid_).cast<int64_t>() >= 0 && get(node, s_value_).is_none())
+      set(node, s_value_, value);
+    nbytes.push_back(static_cast<int64_t>(THPVariable_Unpack(value).storage().nbytes()));
+  }
+  return nbytes;
+}
+
+// Recipe.replay for a simple recipe (no RNG state, no written argument, no stand-in):
+// run the op again on its inputs' current values; the values of its outputs, in core
+// order. The inputs are materialized and locked.
+py::object FastPath::replay(const py::object& rec) {
+  py::object inputs = get(rec, s_inputs_);
+  const Py_ssize_t n = PyList_GET_SIZE(inputs.ptr());
+  std::vector<py::object> vals(n);
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    py::handle x(PyList_GET_ITEM(inputs.ptr(), k));
+    if (THPVariable_Check(x.ptr())) {
+      const at::Tensor& t = THPVariable_Unpack(x.ptr());
+      if (t.numel() != 0 && t.storage().nbytes() == 0)  // freed outside dtr's view
+        throw_from(recipe_freed_, get(rec, s_facts_).attr("name"), x);
+      vals[k] = py::reinterpret_borrow<py::object>(x);
+    } else {
+      vals[k] = get(x, s_value_);
+    }
+  }
+  for (py::handle pair : get(rec, s_versions_)) {
+    Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair.ptr(), 0));
+    int64_t version = PyLong_AsLongLong(PyTuple_GET_ITEM(pair.ptr(), 1));
+    if (THPVariable_Unpack(vals[k].ptr())._version() != version)  // written behind dtr
+      throw_from(recipe_written_, get(rec, s_facts_).attr("name"), vals[k]);
+  }
+  // dtr/call.py's substitute(rec.args, rec.kwargs, rec.where, vals)
+  py::list args(get(rec, s_args_));
+  py::object kw = get(rec, s_kwargs_);
+  py::dict kwargs = kw.is_none() ? py::dict() : py::dict(kw);  // a copy
+  py::object where = get(rec, s_where_);
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    PyObject* w = PyList_GET_ITEM(where.ptr(), k);
+    py::handle key(PyTuple_GET_ITEM(w, 0));
+    Py_ssize_t j = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 1));
+    bool positional = PyLong_Check(key.ptr());
+    py::object slot = positional ? py::object(args[key]) : py::object(kwargs[key]);
+    if (j < 0) {
+      slot = vals[k];
+    } else {
+      py::list copy(slot);  // (a fresh list: the recipe's own stays as it was)
+      copy[j] = vals[k];
+      slot = copy;
+    }
+    if (positional) {
+      args[key] = slot;
+    } else {
+      kwargs[key] = slot;
+    }
+  }
+  py::object func = get(rec, s_func_);
+  const OpInfo& op = info(func);
+  py::tuple real_args(args);
+  py::object out;
+  {
+    at::AutoGradMode grad(get(rec, s_grad_).cast<bool>());
+    PyObject* raw = PyObject_Call(op.op.ptr(), real_args.ptr(), kwargs.ptr());
+    if (raw != nullptr) {
+      out = py::reinterpret_steal<py::object>(raw);
+    } else {
+      py::error_already_set exc;
+      if (!exc.matches(oom_type_)) throw exc;
+      out = call(get(rt_, s_retry_),
+                 {exc.value(), func, real_args, kwargs, py::bool_(true), py::none()});
+    }
+  }
+  py::list produced;
+  for (py::handle spec : get(rec, s_specs_)) {
+    Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(spec.ptr(), 0));
+    Py_ssize_t j = PyLong_AsSsize_t(PyTuple_GET_ITEM(spec.ptr(), 1));
+    if (i < 0) {  // (VERSION_SPEC, leaf): the written argument itself
+      produced.append(vals[j]);
+      continue;
+    }
+    py::object r = op.nreturns == 1 ? out : py::object(py::tuple(out)[i]);
+    produced.append(j < 0 ? r : py::object(r[py::int_(j)]));
+  }
+  return produced;
+}
+
+void FastPath::throw_from(const py::object& make, py::handle name, py::handle tensor) {
+  py::object exc = call(make, {name, tensor});
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  throw py::error_already_set();
 }
 
 // Whether dtr knows the storage of any plain leaf (a constant, or a value handed out).
@@ -551,7 +721,12 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
   for (const Leaf& leaf : leaves)
     if (leaf.node) locks.lock(leaf.tid);
   for (Leaf& leaf : leaves)  // Runtime._value: rematerialize what is evicted
-    if (leaf.node && leaf.value.is_none()) leaf.value = call(get(rt_, s_value_fn_), {leaf.node});
+    if (leaf.node && leaf.value.is_none()) {
+      rematerialize(leaf.tid);
+      leaf.value = get(leaf.node, s_value_);
+      if (leaf.value.is_none())  // (it raises the InternalError that says so)
+        leaf.value = call(get(rt_, s_value_fn_), {leaf.node});
+    }
   if (reserve != 0 && 0 <= core.budget && core.budget < core.resident_bytes + reserve) {
     core.make_room(reserve);  // room for the outputs (dtr/reserve.py)
     drain();

@@ -83,10 +83,10 @@ class Recipe:
         ]
         for x in self.inputs:
             if isinstance(x, torch.Tensor) and x.numel() and not x.untyped_storage().nbytes():
-                raise _freed(self.facts.name, x)
+                raise freed_error(self.facts.name, x)
         for k, version in self.versions:
             if self.inputs[k]._version != version:
-                raise _written(self.facts.name, self.inputs[k])
+                raise written_error(self.facts.name, self.inputs[k])
         in_place = {self.specs[k][1] for k in stolen}
         for k in self.clone:
             if k not in in_place:
@@ -110,7 +110,7 @@ class Recipe:
         return produced
 
 
-def _freed(name: str, t: torch.Tensor) -> UnsupportedError:
+def freed_error(name: str, t: torch.Tensor) -> UnsupportedError:
     # A plain tensor's storage can be freed without any op reaching dtr
     # (untyped_storage().resize_(0)); FSDP2 does this to unsharded parameters after
     # each forward and backward. Replaying would fail deep in a kernel with an error
@@ -124,7 +124,7 @@ def _freed(name: str, t: torch.Tensor) -> UnsupportedError:
     )
 
 
-def _written(name: str, t: torch.Tensor) -> UnsupportedError:
+def written_error(name: str, t: torch.Tensor) -> UnsupportedError:
     return UnsupportedError(
         f"dtr: cannot recompute {name}: it reads a plain tensor of shape {list(t.shape)} "
         "that has since been written in place where dtr could not see it (on another "

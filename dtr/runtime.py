@@ -20,6 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import cost as _cost
 from . import oom, rng
+from . import recipe as _recipe
 from ._core import make_core
 from ._pycore import NEW, VERSION, VIEW
 from .call import Call, rebuild_returns, returns_of, substitute
@@ -935,6 +936,8 @@ _FAST_TYPES = types.SimpleNamespace(
     set_neg=torch._C._set_neg,
     object_new=object.__new__,
     capture=rng.capture,
+    recipe_freed=_recipe.freed_error,
+    recipe_written=_recipe.written_error,
 )
 
 

@@ -112,6 +112,29 @@ def test_in_place_and_random_ops_on_the_fast_path(stress, monkeypatch):
             assert torch.equal(a, b)
 
 
+def test_recomputations_replay_in_cpp(monkeypatch):
+    # Recipes without an RNG state, a written argument or a stand-in are replayed by the
+    # fast path itself; dropout's (random, in place) by Recipe.replay, and so are the
+    # recomputations the Python path asks for (reading a value with .item(), handing a
+    # gradient to the optimizer, an op it serves).
+    reruns = collections.Counter()
+    rerun = dtr.runtime.Runtime.rerun
+
+    def counted(self, rid, stolen):
+        reruns[self.recipes[rid].facts.name] += 1
+        return rerun(self, rid, stolen)
+
+    monkeypatch.setattr(dtr.runtime.Runtime, "rerun", counted)
+    tree = train("tree", dtr_kwargs={"budget": int(_peak("tree") * 0.4), "cost_model": "roofline"})
+    assert sum(reruns.values()) < 0.05 * tree.stats.remats, (reruns, tree.stats.remats)
+    assert not mismatches(train("tree"), tree)
+    reruns.clear()
+    mlp = train("mlp", dtr_kwargs={"stress": True, "cost_model": "roofline"})
+    assert reruns["aten.bernoulli_.float"] > 0 and reruns["aten.div_.Scalar"] > 0
+    assert sum(reruns.values()) < 0.7 * mlp.stats.remats, (reruns, mlp.stats.remats)
+    assert not mismatches(train("mlp"), mlp)
+
+
 def test_plain_ops_run_directly(monkeypatch):
     # Optimizer state updated in place and ops under no_grad never reach handle().
     counts = _fallbacks(monkeypatch)
