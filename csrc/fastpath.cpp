@@ -9,8 +9,7 @@
 // record. In-place views, meta-only ops, batch norm's hidden writes, collectives, writes
 // that must pin or snapshot, values of an ended session and non-strided tensors go to
 // Runtime.handle, which serves every op. Evicted inputs are rebuilt here as well (the
-// driver loop, and the replay of recipes with no RNG state, written argument or stand-
-// in; the others by Recipe.replay). Both paths make the same core calls in the same order (the
+// driver loop and Recipe.replay). Both paths make the same core calls in the same order (the
 // comments name the Python each step mirrors), so a decision never depends on which
 // path ran; tests/test_fastpath.py compares them, and the suite runs on both (the
 // pure-Python core never takes this path).
@@ -27,6 +26,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <chrono>
 #include <unordered_map>
 #include <utility>
@@ -55,6 +55,7 @@ void set(py::handle o, const py::object& name, py::handle v) {
 
 py::object call(py::handle f, std::initializer_list<py::handle> args) {
   PyObject* stack[12];
+  if (args.size() > 12) throw std::invalid_argument("dtr: call() takes at most 12 arguments");
   size_t n = 0;
   for (py::handle a : args) stack[n++] = a.ptr();
   PyObject* r = PyObject_Vectorcall(f.ptr(), stack, n, nullptr);
@@ -186,6 +187,30 @@ struct Locks {
   }
 };
 
+// rng.replaying(captured) (dtr/rng.py): the generator set to the state a random op first
+// drew from, and put back as it was when this goes out of scope.
+struct Replaying {
+  py::object gen, saved;
+  explicit Replaying(const py::object& captured) {
+    if (captured.is_none()) return;
+    gen = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(captured.ptr(), 0));
+    saved = gen.attr("get_state")();
+    gen.attr("set_state")(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(captured.ptr(), 1)));
+  }
+  ~Replaying() {
+    if (!gen) return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);  // keep an error in flight
+    PyObject* r = PyObject_CallMethod(gen.ptr(), "set_state", "O", saved.ptr());
+    if (r == nullptr) {
+      PyErr_Clear();
+    } else {
+      Py_DECREF(r);
+    }
+    PyErr_Restore(type, value, tb);
+  }
+};
+
 class FastPath {
  public:
   FastPath(py::object runtime, py::object types, bool stress, bool check, bool model_cost)
@@ -203,6 +228,8 @@ class FastPath {
     capture_ = types.attr("capture");
     recipe_freed_ = types.attr("recipe_freed");
     recipe_written_ = types.attr("recipe_written");
+    stand_in_type_ = types.attr("StandIn");
+    copy_layout_ = types.attr("copy_preserving_layout");
     wrapper_kwnames_ =
         py::make_tuple("strides", "storage_offset", "dtype", "device", "layout", "requires_grad");
     nodes_ = rt_.attr("nodes");
@@ -217,6 +244,11 @@ class FastPath {
   }
 
   py::object operator()(py::handle func, py::handle args, py::handle kwargs);
+  bool rematerialize_if_own(int64_t tid) {
+    if (get(rt_, s_core_).ptr() != core_obj_.ptr()) return false;  // (tests wrap the core)
+    rematerialize(tid);
+    return true;
+  }
 
  private:
   // How Runtime.fast_route says an op overload may be served here.
@@ -254,7 +286,7 @@ class FastPath {
   void drain();
   void rematerialize(int64_t tid);
   std::vector<int64_t> rerun(int64_t rid, const std::vector<int64_t>& stolen);
-  py::object replay(const py::object& rec);
+  py::object replay(const py::object& rec, const std::vector<int64_t>& stolen);
   [[noreturn]] void throw_from(const py::object& make, py::handle name, py::handle tensor);
   void settle(const std::vector<int64_t>& fresh, const OpInfo& op);
   int64_t constant(PyObject* arg, std::vector<int64_t>& fresh);
@@ -268,7 +300,7 @@ class FastPath {
 
   py::object rt_, ckpt_type_, node_type_, ref_type_, recipe_type_, oom_type_, roofline_;
   py::object make_wrapper_, set_conj_, set_neg_, object_new_, wrapper_kwnames_, capture_;
-  py::object recipe_freed_, recipe_written_;
+  py::object recipe_freed_, recipe_written_, stand_in_type_, copy_layout_;
   py::object nodes_, storages_, const_keys_, escaped_, escaped_keys_, sizes_, lock_;
   py::object core_obj_;
   Core* core_;
@@ -291,7 +323,7 @@ class FastPath {
                    s_versions_ = intern("versions"), s_device_ = intern("device"),
                    s_value_fn_ = intern("_value"), s_stealing_ = intern("_stealing"),
                    s_after_steal_ = intern("_after_interrupted_steal"),
-                   s_out_of_budget_ = intern("out_of_budget"), s_rerun_ = intern("rerun"),
+                   s_out_of_budget_ = intern("out_of_budget"),
                    s_recompute_seconds_ = intern("recompute_seconds");
 };
 
@@ -432,24 +464,18 @@ void FastPath::rematerialize(int64_t tid) {
 }
 
 // Runtime.rerun: rerun recipe rid and give its outputs their values; returns the
-// storage size of each. Recipes that replay an RNG state, copy a written argument, or
-// read a meta-only op's stand-in are replayed by their own Python (Recipe.replay).
+// storage size of each. stolen: its outputs computed in their old version's storage.
 std::vector<int64_t> FastPath::rerun(int64_t rid, const std::vector<int64_t>& stolen) {
-  py::object rec = py::reinterpret_borrow<py::object>(
-      PyList_GET_ITEM(get(rt_, s_recipes_).ptr(), static_cast<Py_ssize_t>(rid)));
-  bool simple = stolen.empty() && get(rec, s_rng_).is_none() &&
-                PyTuple_GET_SIZE(get(rec, s_clone_).ptr()) == 0;
-  py::object inputs = get(rec, s_inputs_);
-  for (py::handle x : inputs)
-    simple = simple && (Py_TYPE(x.ptr()) == reinterpret_cast<PyTypeObject*>(node_type_.ptr()) ||
-                        THPVariable_Check(x.ptr()));
-  if (!simple) {
+  PyObject* item = PyList_GetItem(get(rt_, s_recipes_).ptr(), static_cast<Py_ssize_t>(rid));
+  if (item == nullptr) throw py::error_already_set();
+  py::object rec = py::reinterpret_borrow<py::object>(item);
+  if (!stolen.empty()) {  // what Runtime._after_interrupted_steal needs to know
     py::list stolen_list(stolen.size());
     for (size_t k = 0; k < stolen.size(); ++k) stolen_list[k] = py::int_(stolen[k]);
-    return rt_.attr(s_rerun_)(rid, stolen_list).cast<std::vector<int64_t>>();
+    set(rt_, s_stealing_, py::make_tuple(rec, stolen_list));
   }
   auto start = std::chrono::steady_clock::now();
-  py::object values = replay(rec);
+  py::object values = replay(rec, stolen);
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   double total = get(rt_, s_recompute_seconds_).cast<double>() + seconds;
   set(rt_, s_recompute_seconds_, py::float_(total));
@@ -466,13 +492,15 @@ std::vector<int64_t> FastPath::rerun(int64_t rid, const std::vector<int64_t>& st
   return nbytes;
 }
 
-// Recipe.replay for a simple recipe (no RNG state, no written argument, no stand-in):
-// run the op again on its inputs' current values; the values of its outputs, in core
+// Recipe.replay (dtr/recipe.py): run the op again on its inputs' current values (a
+// stand-in's meta tensor, a copy of an argument it writes unless its output is computed
+// in place, the RNG state it first drew from); the values of its outputs, in core
 // order. The inputs are materialized and locked.
-py::object FastPath::replay(const py::object& rec) {
+py::object FastPath::replay(const py::object& rec, const std::vector<int64_t>& stolen) {
   py::object inputs = get(rec, s_inputs_);
   const Py_ssize_t n = PyList_GET_SIZE(inputs.ptr());
   std::vector<py::object> vals(n);
+  PyTypeObject* stand_in = reinterpret_cast<PyTypeObject*>(stand_in_type_.ptr());
   for (Py_ssize_t k = 0; k < n; ++k) {
     py::handle x(PyList_GET_ITEM(inputs.ptr(), k));
     if (THPVariable_Check(x.ptr())) {
@@ -480,6 +508,8 @@ py::object FastPath::replay(const py::object& rec) {
       if (t.numel() != 0 && t.storage().nbytes() == 0)  // freed outside dtr's view
         throw_from(recipe_freed_, get(rec, s_facts_).attr("name"), x);
       vals[k] = py::reinterpret_borrow<py::object>(x);
+    } else if (Py_TYPE(x.ptr()) == stand_in) {
+      vals[k] = x.attr("get")();
     } else {
       vals[k] = get(x, s_value_);
     }
@@ -489,6 +519,15 @@ py::object FastPath::replay(const py::object& rec) {
     int64_t version = PyLong_AsLongLong(PyTuple_GET_ITEM(pair.ptr(), 1));
     if (THPVariable_Unpack(vals[k].ptr())._version() != version)  // written behind dtr
       throw_from(recipe_written_, get(rec, s_facts_).attr("name"), vals[k]);
+  }
+  py::object specs = get(rec, s_specs_);
+  std::vector<Py_ssize_t> in_place;  // leaves whose new version takes their storage
+  for (int64_t q : stolen)
+    in_place.push_back(PyLong_AsSsize_t(PyTuple_GET_ITEM(PyList_GET_ITEM(specs.ptr(), q), 1)));
+  for (py::handle c : get(rec, s_clone_)) {  // written arguments: work on a copy
+    Py_ssize_t k = PyLong_AsSsize_t(c.ptr());
+    if (std::find(in_place.begin(), in_place.end(), k) == in_place.end())
+      vals[k] = call(copy_layout_, {vals[k]});
   }
   // dtr/call.py's substitute(rec.args, rec.kwargs, rec.where, vals)
   py::list args(get(rec, s_args_));
@@ -517,8 +556,10 @@ py::object FastPath::replay(const py::object& rec) {
   py::object func = get(rec, s_func_);
   const OpInfo& op = info(func);
   py::tuple real_args(args);
+  py::object captured = get(rec, s_rng_);
   py::object out;
   {
+    Replaying rng(captured);  // rng.replaying(rec.rng)
     at::AutoGradMode grad(get(rec, s_grad_).cast<bool>());
     PyObject* raw = PyObject_Call(op.op.ptr(), real_args.ptr(), kwargs.ptr());
     if (raw != nullptr) {
@@ -526,12 +567,13 @@ py::object FastPath::replay(const py::object& rec) {
     } else {
       py::error_already_set exc;
       if (!exc.matches(oom_type_)) throw exc;
+      // not retried when the op wrote into an input's own storage (a stolen one)
       out = call(get(rt_, s_retry_),
-                 {exc.value(), func, real_args, kwargs, py::bool_(true), py::none()});
+                 {exc.value(), func, real_args, kwargs, py::bool_(in_place.empty()), captured});
     }
   }
   py::list produced;
-  for (py::handle spec : get(rec, s_specs_)) {
+  for (py::handle spec : specs) {
     Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(spec.ptr(), 0));
     Py_ssize_t j = PyLong_AsSsize_t(PyTuple_GET_ITEM(spec.ptr(), 1));
     if (i < 0) {  // (VERSION_SPEC, leaf): the written argument itself
@@ -720,13 +762,15 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
   }
   for (const Leaf& leaf : leaves)
     if (leaf.node) locks.lock(leaf.tid);
-  for (Leaf& leaf : leaves)  // Runtime._value: rematerialize what is evicted
-    if (leaf.node && leaf.value.is_none()) {
-      rematerialize(leaf.tid);
-      leaf.value = get(leaf.node, s_value_);
-      if (leaf.value.is_none())  // (it raises the InternalError that says so)
-        leaf.value = call(get(rt_, s_value_fn_), {leaf.node});
-    }
+  for (Leaf& leaf : leaves) {  // Runtime._value: rematerialize what is evicted
+    if (!leaf.node || !leaf.value.is_none()) continue;
+    leaf.value = get(leaf.node, s_value_);  // (rebuilt already if it is an earlier leaf)
+    if (!leaf.value.is_none()) continue;
+    rematerialize(leaf.tid);
+    leaf.value = get(leaf.node, s_value_);
+    if (leaf.value.is_none())  // (it raises the InternalError that says so)
+      leaf.value = call(get(rt_, s_value_fn_), {leaf.node});
+  }
   if (reserve != 0 && 0 <= core.budget && core.budget < core.resident_bytes + reserve) {
     core.make_room(reserve);  // room for the outputs (dtr/reserve.py)
     drain();
@@ -1043,7 +1087,10 @@ void bind_fastpath(py::module_& m) {
       .def(py::init<py::object, py::object, bool, bool, bool>(), py::arg("runtime"),
            py::arg("types"), py::arg("stress"), py::arg("check"), py::arg("model_cost"))
       .def("__call__", &FastPath::operator(), py::arg("func"), py::arg("args"),
-           py::arg("kwargs") = py::none());
+           py::arg("kwargs") = py::none())
+      .def("rematerialize", &FastPath::rematerialize_if_own, py::arg("tid"),
+           "Runtime.rematerialize in C++; False (nothing done) when the runtime's core is "
+           "not the one this fast path was made with.");
 }
 
 }  // namespace dtr

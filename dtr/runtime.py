@@ -3,8 +3,11 @@
 One ``Runtime`` per :func:`dtr.enable` session. Its dispatch mode hands it every op; it
 decides whether the op is managed, materializes the op's inputs (recomputing evicted ones
 from their lineage), runs the op, records the outputs, and evicts until resident bytes
-fit the budget again. The bookkeeping is the core's (``dtr._C.Core`` or its Python twin);
-this module holds the values and executes recipes. Numbered invariants: ``dtr/NOTES.md``.
+fit the budget again. With the C++ core, ops go first to the per-op fast path
+(``csrc/fastpath.cpp``, ``Runtime.dispatch``), which does the same for the common op in
+one call into C++ and hands every other op to ``handle()``. The bookkeeping is the
+core's (``dtr._C.Core`` or its Python twin); this module holds the values and executes
+recipes. Numbered invariants: ``dtr/NOTES.md``.
 """
 
 from __future__ import annotations
@@ -122,7 +125,8 @@ class Runtime(Driver):
         self._stealing: tuple[Recipe, list[int]] | None = None  # see rematerialize()
         self.steps = StepTracker(self)
         # What the dispatch mode calls for every op: the C++ fast path, or handle().
-        self.dispatch = self._fast_path() or self.handle
+        self._fast = self._fast_path()
+        self.dispatch = self._fast or self.handle
         if config.log_steps:
             # A step ends at every optimizer.step() while the session is open.
             self.hooks.append(
@@ -554,6 +558,8 @@ class Runtime(Driver):
 
     # Driver hooks (dtr/protocol.py): rematerialize() and invalidate() come from there.
     def rematerialize(self, tid: int) -> None:
+        if self._fast is not None and self._fast.rematerialize(tid):
+            return  # the same calls, made from C++ (csrc/fastpath.cpp)
         self._stealing = None
         try:
             super().rematerialize(tid)
@@ -830,6 +836,7 @@ class Runtime(Driver):
                 self.pending_refs.clear()
                 self.recipes = []
                 self.dispatch = self.handle  # the fast path holds this runtime
+                self._fast = None
         if interrupted is not None:
             raise interrupted
 
@@ -938,6 +945,8 @@ _FAST_TYPES = types.SimpleNamespace(
     capture=rng.capture,
     recipe_freed=_recipe.freed_error,
     recipe_written=_recipe.written_error,
+    StandIn=StandIn,
+    copy_preserving_layout=copy_preserving_layout,
 )
 
 
