@@ -943,8 +943,9 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
   auto rebuild_seq = [&](int64_t i, PyObject* r) -> py::object {
     Py_ssize_t m = PySequence_Fast_GET_SIZE(r);
     PyObject** items = PySequence_Fast_ITEMS(r);
-    std::vector<PyObject*> swapped(m);
-    for (Py_ssize_t j = 0; j < m; ++j) swapped[j] = replacement(i, j, items[j]);
+    std::vector<PyObject*> swapped;  // one per tensor item, as substitute_item takes them
+    for (Py_ssize_t j = 0; j < m; ++j)
+      if (THPVariable_Check(items[j])) swapped.push_back(replacement(i, j, items[j]));
     size_t k = 0;
     return py::reinterpret_steal<py::object>(substitute_item(r, swapped, k));
   };

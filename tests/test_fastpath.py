@@ -236,3 +236,24 @@ def test_an_evicted_value_read_twice_by_one_op(monkeypatch):
     assert remats[0] == remats[1]
     assert torch.equal(results[0], results[1])
     assert torch.equal(results[0], torch.cat([x.tanh().sin() ** 2, x.tanh().sin() * 2]))
+
+
+@pytest.fixture(scope="module")
+def optional_list_op():
+    """A custom op returning a list of optional tensors, None between them."""
+    lib = torch.library.Library("dtr_fastpath_test", "DEF")
+    lib.define("pair(Tensor x) -> Tensor?[]")
+    lib.impl("pair", lambda x: [None, x * 2, None, x + 1], "CPU")
+    yield torch.ops.dtr_fastpath_test.pair
+    lib._destroy()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_returned_list_with_none_between_tensors(fast, optional_list_op, monkeypatch):
+    monkeypatch.setattr(dtr.runtime, "FAST_PATH", fast)
+    x = torch.randn(3, requires_grad=True)
+    with dtr.enable(stress=True):
+        out = optional_list_op(x * 1)
+        assert [o is None for o in out] == [True, False, True, False]
+        got = [dtr.materialize(out[1]), dtr.materialize(out[3])]
+    assert torch.equal(got[0], x.detach() * 2) and torch.equal(got[1], x.detach() + 1)
