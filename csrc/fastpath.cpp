@@ -63,6 +63,27 @@ py::object call(py::handle f, std::initializer_list<py::handle> args) {
   return py::reinterpret_steal<py::object>(r);
 }
 
+// Raise exc (a Python exception object built by the runtime) through pybind11.
+[[noreturn]] void raise_exc(const py::object& exc) {
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  throw py::error_already_set();
+}
+
+// obj.name(*arg) from a destructor: an error already in flight is kept, and one from
+// this call dropped (cleanup must not replace the error being unwound).
+void call_keeping_error(PyObject* obj, PyObject* name, PyObject* arg) {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyObject* r = arg == nullptr ? PyObject_CallMethodNoArgs(obj, name)
+                               : PyObject_CallMethodOneArg(obj, name, arg);
+  if (r == nullptr) {
+    PyErr_Clear();
+  } else {
+    Py_DECREF(r);
+  }
+  PyErr_Restore(type, value, tb);
+}
+
 bool is_seq(PyObject* a) { return PyList_CheckExact(a) || PyTuple_CheckExact(a); }
 
 // Call.__init__'s walk (dtr/call.py): tensors directly in args/kwargs, or one level
@@ -150,7 +171,9 @@ struct Leaf {
   PyObject* arg;     // as the program passed it (borrowed from the call)
   py::object node;   // its Node when managed, else empty
   py::object value;  // the plain tensor the op runs on
-  py::object where;  // (index or kwarg name, list index or -1), as Call.where
+  PyObject* key;     // its kwarg name (borrowed), or null when positional
+  Py_ssize_t index;  // its position in args (when positional)
+  Py_ssize_t j;      // its index in a list argument, or -1
   int64_t tid;
   int64_t position;  // its argument's position in the schema, as Call.positions
 };
@@ -191,23 +214,15 @@ struct Locks {
 // drew from, and put back as it was when this goes out of scope.
 struct Replaying {
   py::object gen, saved;
+  const py::object set_state = intern("set_state");
   explicit Replaying(const py::object& captured) {
     if (captured.is_none()) return;
     gen = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(captured.ptr(), 0));
     saved = gen.attr("get_state")();
-    gen.attr("set_state")(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(captured.ptr(), 1)));
+    gen.attr(set_state)(py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(captured.ptr(), 1)));
   }
   ~Replaying() {
-    if (!gen) return;
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);  // keep an error in flight
-    PyObject* r = PyObject_CallMethod(gen.ptr(), "set_state", "O", saved.ptr());
-    if (r == nullptr) {
-      PyErr_Clear();
-    } else {
-      Py_DECREF(r);
-    }
-    PyErr_Restore(type, value, tb);
+    if (gen) call_keeping_error(gen.ptr(), set_state.ptr(), saved.ptr());
   }
 };
 
@@ -336,17 +351,7 @@ struct Held {
     if (r == nullptr) throw py::error_already_set();
     Py_DECREF(r);
   }
-  ~Held() {
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);  // keep an error in flight
-    PyObject* r = PyObject_CallMethodNoArgs(lock, release);
-    if (r == nullptr) {
-      PyErr_Clear();
-    } else {
-      Py_DECREF(r);
-    }
-    PyErr_Restore(type, value, tb);
-  }
+  ~Held() { call_keeping_error(lock, release, nullptr); }
 };
 
 const FastPath::OpInfo& FastPath::info(py::handle func) {
@@ -366,7 +371,7 @@ const FastPath::OpInfo& FastPath::info(py::handle func) {
   op.arg_index = op.facts.attr("arg_index");
   op.arg_names = op.facts.attr("arg_names");
   op.view = op.facts.attr("view").cast<bool>();
-  op.plain_recipe = !op.facts.attr("arg_index").contains("non_blocking");
+  op.plain_recipe = !op.arg_index.contains("non_blocking");
   op.name = op.facts.attr("name");
   op.nreturns = op.facts.attr("nreturns").cast<int64_t>();
   op.op = func.attr("_op");
@@ -439,9 +444,7 @@ void FastPath::rematerialize(int64_t tid) {
         if (rid < 0) break;
         int64_t need = core.remat_bytes(rid);
         if (!core.make_room(need)) {
-          py::object exc = rt_.attr(s_out_of_budget_)(rid, need);
-          PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-          throw py::error_already_set();
+          raise_exc(rt_.attr(s_out_of_budget_)(rid, need));
         }
         drain();
         std::vector<int64_t> stolen = core.steals(rid);
@@ -587,9 +590,7 @@ py::object FastPath::replay(const py::object& rec, const std::vector<int64_t>& s
 }
 
 void FastPath::throw_from(const py::object& make, py::handle name, py::handle tensor) {
-  py::object exc = call(make, {name, tensor});
-  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-  throw py::error_already_set();
+  raise_exc(call(make, {name, tensor}));
 }
 
 // Whether dtr knows the storage of any plain leaf (a constant, or a value handed out).
@@ -670,9 +671,7 @@ void FastPath::budget_error(const std::vector<int64_t>& fresh, const OpInfo& op)
   int64_t requested = 0;
   for (int64_t tid : fresh) requested += core_->pool_bytes(tid);
   py::object what = py::str("running {}").format(op.func);
-  py::object exc = rt_.attr(s_budget_error_)(requested, what);
-  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-  throw py::error_already_set();
+  raise_exc(rt_.attr(s_budget_error_)(requested, what));
 }
 
 FastPath::Scan FastPath::scan(const OpInfo& op, PyObject* args, PyObject* kwargs,
@@ -692,7 +691,7 @@ FastPath::Scan FastPath::scan(const OpInfo& op, PyObject* args, PyObject* kwargs
       }
       position = PyLong_AsLongLong(at);
     }
-    Leaf leaf{a, py::object(), py::object(), py::object(), -1, position};
+    Leaf leaf{a, py::object(), py::object(), key, index, j, -1, position};
     if (PyObject_TypeCheck(a, ckpt)) {
       py::object ref = get(a, s_ref_);
       if (get(ref, s_runtime_).ptr() != rt_.ptr()) {
@@ -712,9 +711,6 @@ FastPath::Scan FastPath::scan(const OpInfo& op, PyObject* args, PyObject* kwargs
       sc.requires_grad = sc.requires_grad || t.requires_grad();
       leaf.value = py::reinterpret_borrow<py::object>(a);  // a constant: tid found in run
     }
-    py::object k = key != nullptr ? py::reinterpret_borrow<py::object>(key)
-                                  : py::reinterpret_steal<py::object>(PyLong_FromSsize_t(index));
-    leaf.where = py::make_tuple(k, j);
     leaves.push_back(std::move(leaf));
   });
   return sc;
@@ -906,7 +902,11 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
     auto [t_args, t_kwargs] = substitute(args, kwargs, nones);
     py::list where(n), rec_inputs(n), specs(kinds.size());
     for (size_t k = 0; k < n; ++k) {
-      where[k] = leaves[k].where;
+      // Call.where: (index in args or kwarg name, list index or -1)
+      const Leaf& leaf = leaves[k];
+      py::object name = leaf.key != nullptr ? py::reinterpret_borrow<py::object>(leaf.key)
+                                            : py::object(py::int_(leaf.index));
+      where[k] = py::make_tuple(name, leaf.j);
       rec_inputs[k] = leaves[k].node ? leaves[k].node : leaves[k].value;
     }
     for (size_t q = 0; q < kinds.size(); ++q)
