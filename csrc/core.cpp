@@ -183,6 +183,13 @@ std::vector<int64_t> Core::record(const std::vector<int64_t>& inputs, double cos
       recipes_[rid].nbytes[k] = nbytes[k];
     } else if (kinds[k] == kView) {
       int64_t src = refs[k];
+      if (src < 0) {  // -(j + 1): a view of this call's output j (j < k)
+        const int64_t j = -src - 1;
+        if (j >= static_cast<int64_t>(k) || outs[j] < 0)
+          fail("record: output " + std::to_string(k) + " is a view of output " + std::to_string(j) +
+               ", which is not an earlier one");
+        src = outs[j];
+      }
       for (const auto& m : moved)
         if (m.first == src) src = m.second;
       outs[k] = new_tensor(T(src).pool, rid, 1, true);

@@ -16,6 +16,8 @@
 
 namespace dtr {
 
+// What record() makes of each output: fresh storage; a view (refs[k] is the tensor it
+// aliases, or -(j + 1) for this call's earlier output j); the new version of refs[k].
 enum OutputKind : int64_t { kNew = 0, kView = 1, kVersion = 2 };
 
 enum Heuristic : int {

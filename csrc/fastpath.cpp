@@ -256,6 +256,7 @@ class FastPath {
     lock_ = rt_.attr("lock");
     core_obj_ = rt_.attr("core");
     core_ = core_obj_.cast<Core*>();
+    token_ = rt_.attr("_token");
   }
 
   py::object operator()(py::handle func, py::handle args, py::handle kwargs);
@@ -339,7 +340,10 @@ class FastPath {
                    s_value_fn_ = intern("_value"), s_stealing_ = intern("_stealing"),
                    s_after_steal_ = intern("_after_interrupted_steal"),
                    s_out_of_budget_ = intern("out_of_budget"),
-                   s_recompute_seconds_ = intern("recompute_seconds");
+                   s_recompute_seconds_ = intern("recompute_seconds"),
+                   s_hooked_ = intern("_dtr_hooked"), s_check_mirror_ = intern("check_mirror");
+  py::object token_;  // Runtime._token: what _hook_leaf marks a hooked leaf with
+  void hook_leaf(PyObject* arg, const at::Tensor& t);
 };
 
 // Runtime.lock held for the call, as `with self.lock:` in Runtime.handle.
@@ -845,6 +849,9 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
   std::vector<std::pair<int64_t, int64_t>> specs_of;
   std::vector<PyObject*> produced;
   std::vector<Out*> out_of;  // the Out a recorded output came from; null for a version
+  // fresh storages of the outputs so far, with their index in kinds (cuDNN returns an
+  // RNN's weight gradients as views of one buffer: later ones are views of the first)
+  std::vector<std::pair<c10::StorageImpl*, int64_t>> fresh;
   for (size_t k : written) {
     kinds.push_back(kVersion);
     refs.push_back(leaves[k].tid);
@@ -873,12 +880,21 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
         src = static_cast<int64_t>(k);
         break;
       }
+    int64_t earlier = -1;
+    if (src < 0)
+      for (const auto& f : fresh)
+        if (f.first == storage) earlier = f.second;
     if (src >= 0) {
       if (!leaves[src].node) continue;  // a view of a constant stays plain
       kinds.push_back(kView);
       refs.push_back(leaves[src].tid);
       nbytes.push_back(0);
+    } else if (earlier >= 0) {
+      kinds.push_back(kView);
+      refs.push_back(-(earlier + 1));
+      nbytes.push_back(0);
     } else {
+      fresh.emplace_back(storage, static_cast<int64_t>(kinds.size()));
       kinds.push_back(kNew);
       refs.push_back(-1);
       nbytes.push_back(static_cast<int64_t>(t.storage().nbytes()));
@@ -989,7 +1005,12 @@ int64_t FastPath::constant(PyObject* arg, std::vector<int64_t>& fresh) {
   const at::Tensor& t = THPVariable_Unpack(arg);
   py::object key = storage_key(arg);
   PyObject* known = PyDict_GetItemWithError(storages_.ptr(), key.ptr());
-  if (known != nullptr) return PyLong_AsLongLong(known);
+  if (known != nullptr) {
+    // Another tensor of a known storage (cuDNN's RNN weights are views of one buffer):
+    // gradient hooks are per tensor.
+    if (t.requires_grad()) hook_leaf(arg, t);
+    return PyLong_AsLongLong(known);
+  }
   if (PyErr_Occurred()) throw py::error_already_set();
   int64_t nbytes = static_cast<int64_t>(t.storage().nbytes());
   int64_t tid = core_->new_constant(nbytes);
@@ -1000,8 +1021,25 @@ int64_t FastPath::constant(PyObject* arg, std::vector<int64_t>& fresh) {
       PyDict_SetItem(const_keys_.ptr(), id.ptr(), key.ptr()) < 0)
     throw py::error_already_set();
   fresh.push_back(tid);
-  if (t.requires_grad()) rt_.attr(s_hook_leaf_)(value);
+  if (t.requires_grad()) hook_leaf(arg, t);
   return tid;
+}
+
+// Runtime._hook_leaf(t), called only when t is not a leaf already marked hooked (the
+// common case for parameters read again and again: one attribute read, no Python call).
+void FastPath::hook_leaf(PyObject* arg, const at::Tensor& t) {
+  if (t.is_leaf()) {
+    PyObject* mark = PyObject_GetAttr(arg, s_hooked_.ptr());
+    if (mark == nullptr) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
+      PyErr_Clear();
+    } else {
+      bool hooked = mark == token_.ptr();
+      Py_DECREF(mark);
+      if (hooked) return;
+    }
+  }
+  rt_.attr(s_hook_leaf_)(py::handle(arg));
 }
 
 // CheckpointTensor(ref, like) (dtr/tensor.py), without the Python frames: a wrapper with
@@ -1076,7 +1114,10 @@ void FastPath::settle(const std::vector<int64_t>& fresh, const OpInfo& op) {
   }
   if (stress_) core.evict_all();
   drain();
-  if (check_) core.check();
+  if (check_) {
+    core.check();
+    rt_.attr(s_check_mirror_)();
+  }
 }
 
 }  // namespace

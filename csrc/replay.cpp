@@ -203,7 +203,8 @@ class Replayer {
     for (int64_t j = 0; j < nres; ++j) {
       kinds.push_back(body[4 * j + 1]);
       const int64_t r = body[4 * j + 2];
-      refs.push_back(r >= 0 ? args[r] : -1);
+      // an argument's position, or nargs + j for this call's result j (core: -(j + 1))
+      refs.push_back(r < 0 ? -1 : r < nargs ? args[r] : nargs - r - 1);
       nbytes.push_back(body[4 * j + 3]);
     }
     std::vector<int64_t> outs;

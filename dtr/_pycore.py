@@ -222,9 +222,11 @@ class PyCore:
         """Record one op call that has just run; returns the tids of its outputs.
 
         Each output k is NEW (fresh storage of nbytes[k]), VIEW (joins the pool of tensor
-        refs[k]) or VERSION (the in-place update of tensor refs[k]: the new tensor takes
-        over its storage, and the old value moves to a fresh evicted pool with its
-        lineage intact; the external handles move to the new tensor).
+        refs[k], or with refs[k] = -(j + 1) that of this call's earlier output j: cuDNN
+        returns an RNN's weight gradients as views of one fresh buffer) or VERSION (the
+        in-place update of tensor refs[k]: the new tensor takes over its storage, and the
+        old value moves to a fresh evicted pool with its lineage intact; the external
+        handles move to the new tensor).
         """
         self.ops += 1
         rid = self._alloc_recipe(list(inputs), float(cost))
@@ -252,7 +254,16 @@ class PyCore:
                 outs[k] = self._new_tensor(pid, rid, 1, True)
                 r.nbytes[k] = int(nbytes[k])
             elif kind == VIEW:
-                pid = self._T[moved.get(refs[k], refs[k])].pool
+                src = refs[k]
+                if src < 0:  # -(j + 1): a view of this call's output j (j < k)
+                    j = -src - 1
+                    if j >= k or outs[j] < 0:
+                        raise CoreError(
+                            f"dtr: record: output {k} is a view of output {j}, which is "
+                            "not an earlier one"
+                        )
+                    src = outs[j]
+                pid = self._T[moved.get(src, src)].pool
                 outs[k] = self._new_tensor(pid, rid, 1, True)
             elif kind != VERSION:
                 raise CoreError(f"dtr: bad output kind {kind}")

@@ -72,6 +72,7 @@ class _Op:
         "cost",
         "extra",
         "fresh",
+        "held",
         "inputs",
         "key",
     )
@@ -91,6 +92,7 @@ class _Op:
         self.cost = 0.0
         self.extra: list[int] = []  # core inputs beyond the leaves (the RNG state)
         self.fresh: list[int] = []  # constants first registered for this call
+        self.held: list[int] = []  # older constants it reads, held while it invalidates
         self.inputs: list[int] | None = None  # the core inputs of the recorded recipe
         self.key: tuple | None = None  # its OutputSizes key, when sizes are learned
 
@@ -292,6 +294,8 @@ class Runtime(Driver):
                 if self.trace is not None and not recorded:
                     self.trace.release(self._label(tid))
                 core.release(tid)
+            for tid in op.held:
+                core.release(tid)
         self._settle(protect, func)
         return result
 
@@ -374,6 +378,7 @@ class Runtime(Driver):
         if not op.written:
             return
         core = self.core
+        invalid: list[int] = []  # written leaves whose old value loses its lineage
         for k in op.written:
             node = op.nodes[k]
             if node is not None:
@@ -381,6 +386,19 @@ class Runtime(Driver):
                 if not twice and core.is_private(node.tid):
                     op.versioned.append(k)  # the old value keeps its lineage
                     continue
+            invalid.append(k)
+        if invalid:
+            # Invalidation pins what reads the old values and drops lineage nobody
+            # needs any more, which can drop a constant this op reads: several written
+            # views of one storage (cuDNN's flat RNN weights under a foreach optimizer)
+            # share one. Each is held until the op ends.
+            for k, tid in enumerate(op.tids):
+                if op.nodes[k] is None and tid not in op.fresh and tid not in op.held:
+                    core.retain(tid)
+                    op.held.append(tid)
+        for k in invalid:
+            node = op.nodes[k]
+            if node is not None:
                 self.invalidate(core.members(node.tid))  # aliased: pin the pool
             else:
                 self._writes_to_plain_leaf(op.vals[k], op.tids[k])
@@ -407,6 +425,7 @@ class Runtime(Driver):
             produced.append(op.vals[k])
         replacements: dict[tuple[int, int], object] = {}
         keys = None
+        fresh_keys: dict[int, int] = {}  # storage -> its NEW output's index in kinds
         for i, j, o in returns_of(op.facts, out):
             k = _identity(o, op.vals, op.written)
             if k >= 0:  # an in-place op returned its argument
@@ -424,7 +443,14 @@ class Runtime(Driver):
                 kinds.append(VIEW)
                 refs.append(op.tids[src])
                 nbytes.append(0)
+            elif (q := fresh_keys.get(o.untyped_storage()._cdata, -1)) >= 0:
+                # a view of an earlier output's fresh storage (cuDNN's RNN weight
+                # gradients: views of one buffer), counted once
+                kinds.append(VIEW)
+                refs.append(-(q + 1))
+                nbytes.append(0)
             else:
+                fresh_keys[o.untyped_storage()._cdata] = len(kinds)
                 kinds.append(NEW)
                 refs.append(-1)
                 nbytes.append(o.untyped_storage().nbytes())
@@ -481,7 +507,12 @@ class Runtime(Driver):
         """CALL line: the core's inputs, the outputs (a view or version names the input
         it aliases by position), and the constants released after it."""
         inputs = op.inputs if op.inputs is not None else op.tids + op.extra
-        aliases = [-1 if kind == NEW else inputs.index(ref) for kind, ref in zip(kinds, refs)]
+        # an output aliases an input by its position, or this call's earlier output j
+        # (refs -(j + 1)) by len(inputs) + j
+        aliases = [
+            -1 if kind == NEW else inputs.index(ref) if ref >= 0 else len(inputs) - ref - 1
+            for kind, ref in zip(kinds, refs)
+        ]
         label = self._label
         self.trace.call(
             op.facts.name,
@@ -520,6 +551,21 @@ class Runtime(Driver):
             self.timeline.add(core, str(func), torch._C._current_graph_task_id() != -1, before)
         if self.config.check:
             core.check()
+            self.check_mirror()
+
+    def check_mirror(self) -> None:
+        """Check mode: the Python mirror agrees with the core. Every storage dtr knows as
+        a constant names a constant the core still has, and that constant names it back."""
+        for key, tid in self.storages.items():
+            try:
+                alive = self.core.is_constant(tid)
+            except IndexError:
+                alive = False
+            if not alive or self.const_keys.get(tid) != key:
+                raise InternalError(
+                    f"dtr: storage {key:#x} is mapped to constant {tid}, which the core "
+                    f"{'has with another storage' if alive else 'no longer has'}"
+                )
 
     # ================================================================== steps
     def take_step_peak(self) -> tuple[int, int]:
@@ -674,6 +720,10 @@ class Runtime(Driver):
         key = storage._cdata
         tid = self.storages.get(key)
         if tid is not None:
+            # Another tensor of a known storage (cuDNN's RNN weights are views of one
+            # buffer): gradient hooks are per tensor.
+            if t.requires_grad and getattr(t, "_dtr_hooked", None) is not self._token:
+                self._hook_leaf(t)
             return tid
         tid = self.core.new_constant(storage.nbytes())
         self._set_node(tid, Node(tid, None, "constant", t.shape))

@@ -42,10 +42,36 @@ def _bn_writes(vals: list) -> tuple[int, ...]:
     return ()
 
 
+def _rnn_writes(dropout: int, train: int, state: int, reserve: int = -1):
+    """Hidden writes of cuDNN's (and MIOpen's) RNN kernels, by schema position.
+
+    _cudnn_rnn(..., float dropout, bool train, ..., Tensor? dropout_state), in training
+    with dropout, draws its masks from the RNG state held in dropout_state (cuDNN's own,
+    cached by PyTorch, not a torch.Generator) and advances that state in place. On an
+    H200, recomputed backward calls left the live state advanced too (the next step drew
+    other masks than eager), and the backward writes the forward's reserve space (its
+    backward-data pass leaves there what the weight pass reads). As writes, each recipe
+    keeps the state it saw (a snapshot: 6.2 MiB on an H200) and replays on a copy,
+    leaving the live state where eager left it; the reserve gets a new version."""
+
+    def writes(vals: list) -> tuple[int, ...]:
+        out: tuple[int, ...] = ()
+        if vals[train] and vals[dropout] > 0 and vals[state] is not None:
+            out = (state,)
+        if reserve >= 0 and vals[reserve] is not None:
+            out += (reserve,)
+        return out
+
+    return writes
+
+
 _HIDDEN_WRITES: dict[str, Callable[[list], tuple[int, ...]]] = {
     "aten::native_batch_norm": _bn_writes,
     "aten::cudnn_batch_norm": _bn_writes,
     "aten::miopen_batch_norm": _bn_writes,
+    "aten::_cudnn_rnn": _rnn_writes(11, 12, 15),
+    "aten::_cudnn_rnn_backward": _rnn_writes(15, 16, 19, reserve=20),
+    "aten::miopen_rnn": _rnn_writes(9, 10, 13),
 }
 
 # Returns that stay plain tensors: metadata that C++ composite kernels read through

@@ -14,7 +14,9 @@ Instructions shared with the prototype:
   RNG state, snapshot of an argument written in place). It starts with one handle.
 - ``CALL``: ``NAME`` the op, ``ARGS`` the tensors its recipe reads, ``RESULT`` the new
   tensors, ``TIME`` its cost in ns; each result then gets ``MEMORY`` (bytes of a fresh
-  storage) and ``ALIAS``: ``"-1"`` for a fresh storage, ``"k"`` for a view of ``ARGS[k]``.
+  storage) and ``ALIAS``: ``"-1"`` for a fresh storage, ``"k"`` for a view of ``ARGS[k]``
+  (ours also: ``len(ARGS) + j`` for a view of the same call's ``RESULT[j]``, j earlier:
+  cuDNN returns an RNN's weight gradients as views of one fresh buffer).
 - ``RELEASE`` x: the program dropped its last handle to x.
 
 Extensions (only in traces dtr writes):

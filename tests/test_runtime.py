@@ -257,6 +257,41 @@ def test_optimizers_see_plain_grads(make_opt, device, core):
             assert not isinstance(v, dtr.CheckpointTensor)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@on_devices
+def test_parameters_in_one_flat_buffer_updated_by_a_foreach_optimizer(optimizer, device, core):
+    # cuDNN keeps every weight of an nn.LSTM as a view of one flat buffer, so a foreach
+    # optimizer writes several views of one storage in one op while recipes (the losses
+    # kept below) still read it: invalidating those for the first view must not drop
+    # the constant the other views name (it did: "dtr: no tensor 6" on CUDA).
+    def fn():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(device)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        offset = 0
+        for p in model.parameters():
+            p.data = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        params = list(model.parameters())
+        if optimizer == "sgd":
+            opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
+        else:
+            opt = torch.optim.Adam(params, lr=1e-2, foreach=True)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(4, 6, device=device)).pow(2).mean()
+            loss.backward()
+            # every parameter has its own gradient hook, though they share a storage
+            assert all(type(p.grad) is torch.Tensor for p in params)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        return losses + [flat.clone()]
+
+    stats = _check(fn, device, **STRESS)
+    assert stats.remats > 0
+
+
 @on_devices
 def test_gradient_accumulation_and_zero_grad_without_none(device, core):
     def fn():
@@ -508,3 +543,85 @@ def test_torch_compile_inside_a_session(core, graph_break):
     assert session.stats().remats > 0
     assert torch.equal(got, want.detach()) and torch.equal(x.grad, want_grad)
     assert not [str(w.message) for w in caught if "ynamo" in str(w.message)]
+
+
+def test_cudnn_rnn_hidden_writes():
+    # What _cudnn_rnn and its backward write without a (a!) in their schemas (CUDA-only
+    # kernels; tests/test_cuda.py replays them): the dropout RNG state in training with
+    # dropout (forward and backward), and the forward's reserve space in the backward.
+    from dtr.schema import op_facts
+
+    rnn = op_facts(torch.ops.aten._cudnn_rnn.default)
+    vals = [None] * len(rnn.arg_names)
+    vals[rnn.arg_index["dropout"]] = 0.1
+    vals[rnn.arg_index["train"]] = True
+    vals[rnn.arg_index["dropout_state"]] = torch.empty(0)
+    assert rnn.hidden_writes(vals) == (rnn.arg_index["dropout_state"],)
+    vals[rnn.arg_index["train"]] = False
+    assert rnn.hidden_writes(vals) == ()
+    vals[rnn.arg_index["train"]], vals[rnn.arg_index["dropout"]] = True, 0.0
+    assert rnn.hidden_writes(vals) == ()
+    back = op_facts(torch.ops.aten._cudnn_rnn_backward.default)
+    vals = [None] * len(back.arg_names)
+    vals[back.arg_index["reserve"]] = torch.empty(0)
+    vals[back.arg_index["dropout"]] = 0.0
+    assert back.hidden_writes(vals) == (back.arg_index["reserve"],)
+    vals[back.arg_index["dropout"]] = 0.3
+    vals[back.arg_index["train"]] = True
+    vals[back.arg_index["dropout_state"]] = torch.empty(0)
+    assert back.hidden_writes(vals) == (
+        back.arg_index["dropout_state"],
+        back.arg_index["reserve"],
+    )
+
+
+@pytest.fixture(scope="module")
+def views_op():
+    """A custom op returning four views of one fresh buffer, as cuDNN's RNN backward
+    returns the weight gradients."""
+    lib = torch.library.Library("dtr_views_test", "DEF")
+    lib.define("quarters(Tensor x) -> Tensor[]")
+
+    def quarters(x):
+        buf = torch.empty(4 * x.numel(), dtype=x.dtype)
+        out = [buf[i * x.numel() : (i + 1) * x.numel()].view_as(x) for i in range(4)]
+        for i, o in enumerate(out):
+            o.copy_(x * (i + 1))
+        return out
+
+    lib.impl("quarters", quarters, "CPU")
+    yield torch.ops.dtr_views_test.quarters
+    lib._destroy()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_outputs_that_are_views_of_one_fresh_buffer(fast, views_op, core, monkeypatch, tmp_path):
+    # Counted once (one pool: evicted and recomputed together), not once per view, on
+    # both cores and both paths; recorded in a trace that the simulator replays alike.
+    monkeypatch.setattr(dtr.runtime, "FAST_PATH", fast)
+
+    def fn():
+        w = torch.randn(64, 32, requires_grad=True)
+        a, b, c, d = views_op((w * 2).detach())
+        y = (a + b) * (c - d)
+        return [y, a, d, y.sum()]
+
+    stats = _check(fn, "cpu", **STRESS)
+    assert stats.remats > 0
+    with dtr.enable() as session:
+        x = (torch.randn(64, 32, requires_grad=True) * 2).detach()
+        before = session.stats().resident_bytes
+        outs = views_op(x)
+        assert session.stats().resident_bytes - before == 4 * x.untyped_storage().nbytes()
+        del outs
+
+    import dtr.sim as sim
+
+    path = str(tmp_path / "views.jsonl")
+    with dtr.enable(stress=True, cost_model="roofline", trace=path) as session:
+        fn()
+    live = session.stats()
+    for engine in ("c++", "python"):
+        res = sim.simulate(sim.load(path), "dtr", stress=True, engine=engine, thrash=0)
+        assert res.status == "ok"
+        assert (res.evictions, res.remats) == (live.evictions, live.remats)

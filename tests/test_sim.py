@@ -102,6 +102,29 @@ def test_every_prototype_record_kind(tmp_path):
         assert res.evictions == 0 and res.remats == 0 and res.overhead == 1.0
 
 
+def test_views_of_an_earlier_result_of_the_same_call(tmp_path):
+    # ALIAS len(ARGS) + j: a view of the call's own result j (cuDNN's RNN weight
+    # gradients are views of one fresh buffer): one storage, counted once.
+    recs = [
+        *call("make", [], ["x"], 10, [100]),
+        *call("grads", ["x"], ["g0", "g1", "g2"], 20, [300, 0, 0], aliases=[-1, 1, 1]),
+        {"INSTRUCTION": "RELEASE", "NAME": "x"},
+    ]
+    prog = sim.load(write_trace(tmp_path / "views.jsonl", recs))
+    new, view = 0, 1
+    assert P.disassemble(prog)[1] == (
+        "CALL",
+        20.0,
+        (0,),
+        ((1, new, -1, 300), (2, view, 1, 0), (3, view, 1, 0)),
+        (),
+    )
+    for engine in ENGINES:
+        res = sim.simulate(prog, "dtr", engine=engine)
+        assert res.status == "ok" and res.peak_bytes == 100 + 300
+        assert sim.simulate(prog, "dtr", budget=400, engine=engine).status == "ok"
+
+
 def test_chain_under_lru_known_recomputations(tmp_path):
     # Room for 3 chain tensors and a grad. Forward keeps x_{n-3..n-1}. The reverse pass
     # needs (x_k, x_{k-1}); every other step finds x_{k-1} evicted and rebuilds it from
@@ -136,6 +159,8 @@ def test_infeasible_and_thrash(tmp_path):
             [{"INSTRUCTION": "CALL", "NAME": "op", "ARGS": [], "RESULT": ["a"], "TIME": 1}],
             "MEMORY and ALIAS",
         ),
+        # a view of a later result of the same call (ALIAS len(ARGS) + j, j earlier only)
+        (call("op", [], ["a", "b"], 1, [8, 0], aliases=[1, -1]), "earlier result"),
     ],
 )
 def test_malformed_traces_name_file_and_line(tmp_path, records, match):

@@ -150,8 +150,11 @@ class _Builder:
     copy_from = copy
 
     def call(self, cost, args, results, fresh) -> None:
-        new, total = [], 0
+        new, total, later = [], 0, []
         for slot, kind, ref, nbytes in results:
+            if kind == VIEW and ref >= len(args):  # of this call's result ref - len(args)
+                later.append((slot, results[ref - len(args)][0]))
+                continue
             if kind == VIEW:  # collapsed into the node that holds the storage
                 self.copy(slot, args[ref])
                 continue
@@ -171,6 +174,8 @@ class _Builder:
             self.add(cost, args, total, new)
         else:
             self.fixed_cost += float(cost)
+        for slot, src in later:
+            self.copy(slot, src)
 
     def mutate(self, cost, args, pairs) -> None:
         fresh = []

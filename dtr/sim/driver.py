@@ -181,7 +181,10 @@ class Replay(Driver):
         fresh = [slots[s] for s in code[pc + 1 : pc + 1 + nfresh]]
         pc += 1 + nfresh
         kinds = body[1::4]
-        refs = [args[r] if r >= 0 else -1 for r in body[2::4]]
+        # an argument's position, or nargs + j for this call's result j (core: -(j + 1))
+        refs = [
+            args[r] if 0 <= r < nargs else nargs - r - 1 if r >= nargs else -1 for r in body[2::4]
+        ]
         nbytes = body[3::4]
         if not live:
             extra = sum(b for k, b in zip(kinds, nbytes) if k == NEW)

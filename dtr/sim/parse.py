@@ -156,8 +156,15 @@ class _Compiler:
                 self.fail(number, f"result {name!r} lacks its MEMORY and ALIAS lines")
             i += 2
             ref = int(alias["ALIAS"])
-            if ref >= len(args):
-                self.fail(number, f"result {name!r} aliases argument {ref} of {len(args)}")
+            # ALIAS: an argument's position, or len(ARGS) + j for this call's result j
+            if ref >= len(args) + len(body) // 4:
+                self.fail(
+                    number,
+                    f"result {name!r} aliases argument {ref} of {len(args)} "
+                    f"(or an earlier result, numbered from {len(args)})",
+                )
+            if alias.get("VERSION") == "1" and ref >= len(args):
+                self.fail(number, f"result {name!r} is a new version of a result")
             if ref < 0:
                 kind, nbytes = NEW, int(mem["MEMORY"])
             elif alias.get("VERSION") == "1":
