@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import dtr
 
-from .harness import make_optimizer
+from .harness import make_optimizer, to_device
 from .models import MODELS, batches, build
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -27,11 +27,13 @@ BENCH_SCALE = {"mlp": 8, "cnn": 4, "lstm": 4, "transformer": 8, "tree": 16}
 
 @dataclasses.dataclass
 class Run:
-    """Step times of one configuration, or why it could not run."""
+    """Step times of one configuration, or why it could not run. On CUDA, counters holds
+    the caching allocator's view of the run (see timed_steps)."""
 
     times: list[float]
     stats: dtr.Stats | None = None
     error: str = ""
+    counters: dict = dataclasses.field(default_factory=dict)
 
     @property
     def median(self) -> float:
@@ -39,30 +41,67 @@ class Run:
 
 
 def timed_steps(
-    name: str, scale: int, steps: int, warmup: int, dtr_kwargs: dict | None, optimizer: str = "adam"
+    name: str,
+    scale: int,
+    steps: int,
+    warmup: int,
+    dtr_kwargs: dict | None,
+    optimizer: str = "adam",
+    device: str = "cpu",
+    size: int | None = None,
 ) -> Run:
     """Train warmup + steps steps (under dtr.enable(**dtr_kwargs) unless None); time the
-    last `steps`. A budget dtr cannot meet is recorded, not raised."""
+    last `steps`. A budget dtr cannot meet is recorded, not raised. The model and batches
+    (of `size` examples; default: the model's) are built on the CPU from the seeds, then
+    moved to `device`. On CUDA each step is timed between two synchronizations, and
+    Run.counters gets, from torch.cuda.memory_stats() over the run: cuda_peak (max
+    allocated bytes over what was allocated before the model existed), inactive_split
+    (peak of inactive_split_bytes: cached memory in split blocks that no allocation can
+    use whole, i.e. fragmentation) and alloc_retries (times a cudaMalloc failed and the
+    allocator freed its cache to retry). An allocator OOM is raised (bench/max_batch.py
+    catches it)."""
     spec = MODELS[name]
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    before: dict = {}
+    if cuda:
+        sync()
+        torch.cuda.empty_cache()  # this run's fragmentation, not the previous run's
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_stats()
     model = build(name, scale=scale)
+    data = batches(name, warmup + steps, scale=scale, size=size)
+    if device != "cpu":
+        model.to(device)
+        data = [to_device(b, device) for b in data]
     opt = make_optimizer(optimizer, model.parameters())
-    data = batches(name, warmup + steps, scale=scale)
     torch.manual_seed(0)
     times: list[float] = []
     ctx = dtr.enable(**dtr_kwargs) if dtr_kwargs is not None else contextlib.nullcontext()
     try:
         with ctx as session:
             for i, batch in enumerate(data):
+                sync()
                 start = time.perf_counter()
                 loss = spec.loss(model, batch)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
+                sync()
                 if i >= warmup:
                     times.append(time.perf_counter() - start)
+        run = Run(times, session.stats() if dtr_kwargs is not None else None)
     except dtr.BudgetError:
-        return Run([], None, "infeasible")
-    return Run(times, session.stats() if dtr_kwargs is not None else None)
+        run = Run([], None, "infeasible")
+    if cuda:
+        after = torch.cuda.memory_stats()
+        run.counters = {
+            "cuda_peak": after.get("allocated_bytes.all.peak", 0)
+            - before.get("allocated_bytes.all.current", 0),
+            "inactive_split": after.get("inactive_split_bytes.all.peak", 0),
+            "alloc_retries": after.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0),
+        }
+    return run
 
 
 def profiled_bytes(prof) -> tuple[int, int]:
@@ -98,17 +137,33 @@ def state_bytes(model, opt, batch) -> int:
     return total + sum(t.untyped_storage().nbytes() for t in batch)
 
 
-def eager_peak_bytes(name: str, scale: int, optimizer: str = "adam") -> int:
-    """Peak bytes of an eager training step by torch.profiler's allocation events (an
-    independent measure), plus the parameters, gradients and optimizer state that exist
-    before the step starts."""
+def eager_peak_bytes(name: str, scale: int, optimizer: str = "adam", device: str = "cpu") -> int:
+    """Peak bytes of an eager training step, after one step has created the optimizer
+    state. On the CPU: torch.profiler's allocation events (an independent measure) plus
+    the parameters, gradients and optimizer state that exist before the step. On CUDA: the
+    caching allocator's max_memory_allocated over what was allocated before the model
+    existed (the same things, counted by the allocator)."""
     spec = MODELS[name]
-    model = build(name, scale=scale)
+    cuda = torch.device(device).type == "cuda"
+    base = 0
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+    model = build(name, scale=scale).to(device)
     opt = make_optimizer(optimizer, model.parameters())
-    data = batches(name, 2, scale=scale)
+    data = [to_device(b, device) for b in batches(name, 2, scale=scale)]
     spec.loss(model, data[0]).backward()  # creates optimizer state
     opt.step()
     opt.zero_grad()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        spec.loss(model, data[1]).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
     before = state_bytes(model, opt, data[1])
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         spec.loss(model, data[1]).backward()

@@ -22,10 +22,8 @@ roofline cost model (README), whatever --cost-model says.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
-import time
 
 import torch
 from tqdm.auto import tqdm
@@ -43,8 +41,7 @@ from .common import (
     timed_steps,
     write_csv,
 )
-from .harness import make_optimizer, to_device
-from .models import MODELS, batches, build
+from .models import MODELS
 
 RATIOS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2)
 HEADER = [
@@ -61,74 +58,11 @@ HEADER = [
 CUDA_HEADER = ["cuda_peak_mib", "inactive_split_bytes", "num_alloc_retries"]
 
 
-def _cuda_steps(
-    name: str, scale: int, steps: int, warmup: int, dtr_kwargs: dict | None, optimizer: str
-) -> tuple[Run, dict]:
-    """common.timed_steps on the current CUDA device: model and batches built on the CPU
-    from the same seeds, then moved; each step timed between synchronizations. Also
-    returns the allocator's counters over the run (see the module docstring)."""
-    spec = MODELS[name]
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # this run's fragmentation, not the previous run's
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_stats()
-    model = build(name, scale=scale).to("cuda")
-    opt = make_optimizer(optimizer, model.parameters())
-    data = [to_device(b, "cuda") for b in batches(name, warmup + steps, scale=scale)]
-    base = before.get("allocated_bytes.all.current", 0)
-    torch.manual_seed(0)
-    times: list[float] = []
-    ctx = dtr.enable(**dtr_kwargs) if dtr_kwargs is not None else contextlib.nullcontext()
-    try:
-        with ctx as session:
-            for i, batch in enumerate(data):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                loss = spec.loss(model, batch)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                torch.cuda.synchronize()
-                if i >= warmup:
-                    times.append(time.perf_counter() - start)
-        run = Run(times, session.stats() if dtr_kwargs is not None else None)
-    except dtr.BudgetError:
-        run = Run([], None, "infeasible")
-    after = torch.cuda.memory_stats()
-    counters = {
-        "cuda_peak": after.get("allocated_bytes.all.peak", 0) - base,
-        "inactive_split": after.get("inactive_split_bytes.all.peak", 0),
-        "alloc_retries": after.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0),
-    }
-    return run, counters
-
-
-def _cuda_eager_peak_bytes(name: str, scale: int, optimizer: str) -> int:
-    """Peak allocated bytes of an eager training step on the GPU (after one step has
-    created the optimizer state), over what was allocated before the model existed."""
-    spec = MODELS[name]
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    model = build(name, scale=scale).to("cuda")
-    opt = make_optimizer(optimizer, model.parameters())
-    data = [to_device(b, "cuda") for b in batches(name, 2, scale=scale)]
-    spec.loss(model, data[0]).backward()
-    opt.step()
-    opt.zero_grad()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    spec.loss(model, data[1]).backward()
-    opt.step()
-    opt.zero_grad()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 def _timed(args, name: str, scale: int, dtr_kwargs: dict | None) -> tuple[Run, dict]:
-    if args.device == "cuda":
-        return _cuda_steps(name, scale, args.steps, args.warmup, dtr_kwargs, args.optimizer)
-    return timed_steps(name, scale, args.steps, args.warmup, dtr_kwargs, args.optimizer), {}
+    run = timed_steps(
+        name, scale, args.steps, args.warmup, dtr_kwargs, args.optimizer, device=args.device
+    )
+    return run, run.counters
 
 
 def sweep(args) -> list[dict]:
@@ -136,10 +70,7 @@ def sweep(args) -> list[dict]:
     for name in args.models:
         scale = args.scale or (1 if args.quick else BENCH_SCALE[name])
         eager, eager_counters = _timed(args, name, scale, None)
-        if args.device == "cuda":
-            peak_eager = _cuda_eager_peak_bytes(name, scale, args.optimizer)
-        else:
-            peak_eager = eager_peak_bytes(name, scale, args.optimizer)
+        peak_eager = eager_peak_bytes(name, scale, args.optimizer, args.device)
         free, free_counters = _timed(args, name, scale, {"cost_model": args.cost_model})
         peak = free.stats.peak_resident_bytes
         print(

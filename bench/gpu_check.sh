@@ -5,13 +5,17 @@
 #   bash bench/gpu_check.sh              # from the repository root
 #   bash bench/gpu_check.sh --dry-run    # print the steps, run nothing
 #   bash bench/gpu_check.sh --install    # first the README's install (not timed; see below)
+#   bash bench/gpu_check.sh --build      # first build the C++ core in place, offline (see below)
 #   bash bench/gpu_check.sh --out DIR    # results elsewhere (default bench/results/gpu)
 #
 # Before it, install as the README says, into a Python whose torch is the CUDA build:
 #   pip install --no-build-isolation -e '.[test]'
 # (--install runs exactly that, with the installed torch pinned by a constraints file so
-# that pip can never fetch another torch.) PYTHON=... picks the interpreter (default
-# .venv/bin/python if there is one, else python3).
+# that pip can never fetch another torch.) On a machine with no package index (a rented
+# GPU box with torch and pytest already there), --build instead compiles dtr._C in place
+# (`setup.py build_ext --inplace`, MAX_JOBS = the cores) and runs from the checkout; if
+# that build fails, the log says why and the steps run on dtr's pure-Python core.
+# PYTHON=... picks the interpreter (default .venv/bin/python if there is one, else python3).
 #
 # Steps, each under `timeout`, all inside one deadline of 7m45s (a step that would pass
 # it is cut short or skipped), each going on when the one before failed:
@@ -22,6 +26,7 @@
 #   4. bench.compare_heuristics --device cuda --quick, 4 heuristics x 3 ratios (test-size
 #      models)
 #   5. bench.compare_heuristics --device cuda at bench scale, default heuristic
+#   6. bench.max_batch: the largest batch eager and dtr train at in 2 GiB of GPU memory
 # Logs, JUnit XML, CSVs (with the allocator's fragmentation columns) and plots go to
 # bench/results/gpu/, plus summary.txt. Exit status: 0 if every step passed, 1 if any
 # failed, timed out or was skipped for lack of time. On a machine without CUDA it says so
@@ -32,11 +37,13 @@ cd "$(dirname "$0")/.."
 
 DRY_RUN=0
 INSTALL=0
+BUILD=0
 OUT=bench/results/gpu
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
     --install) INSTALL=1 ;;
+    --build) BUILD=1 ;;
     --out)
       [ $# -ge 2 ] || { echo "gpu_check: --out needs a folder" >&2; exit 2; }
       OUT=$2
@@ -82,13 +89,19 @@ EOF
 )
 export GPU_CHECK_INFO
 
+# The DEVICES-parametrized suite in 4 processes when pytest-xdist is there (they share
+# the GPU; the CUDA-only tests run alone: one of them fills the device on purpose).
+XDIST=""
+if "$PY" -c 'import xdist' 2>/dev/null; then XDIST="-n 4"; fi
+
 # name | seconds at most | command
 STEPS=(
   "info|45|nvidia-smi -L || echo 'gpu_check: nvidia-smi -L failed (not counted)'; $PY -c \"\$GPU_CHECK_INFO\""
   "test_cuda|120|$PY -m pytest tests/test_cuda.py -q -s -rfEs -p no:cacheprovider --junitxml=$OUT/test_cuda.xml"
-  "tests_on_cuda|160|$PY -m pytest tests/test_runtime.py tests/test_models.py -k cuda -q -rfEs -p no:cacheprovider --junitxml=$OUT/tests_on_cuda.xml"
+  "tests_on_cuda|160|$PY -m pytest tests/test_runtime.py tests/test_models.py -k cuda $XDIST -q -rfEs -p no:cacheprovider --junitxml=$OUT/tests_on_cuda.xml"
   "heuristics_quick|80|$PY -m bench.compare_heuristics --device cuda --quick --heuristics dtr dtr_eq msps lru --ratios 1.0 0.5 0.3 --out $OUT/heuristics_quick.csv"
   "heuristics_bench|55|$PY -m bench.compare_heuristics --device cuda --heuristics dtr --ratios 1.0 0.5 0.3 --steps 3 --warmup 1 --out $OUT/heuristics_bench.csv"
+  "max_batch|150|$PY -m bench.max_batch --models transformer cnn --memory 2GiB --out $OUT/max_batch.csv"
 )
 
 if [ "$DRY_RUN" = 1 ]; then
@@ -118,6 +131,16 @@ if [ "$INSTALL" = 1 ]; then
     exit 1
   fi
   rm -f "$constraints"
+fi
+
+if [ "$BUILD" = 1 ]; then
+  mkdir -p "$OUT"
+  echo "gpu_check: $PY setup.py build_ext --inplace (log: $OUT/build.log)"
+  if ! MAX_JOBS=${MAX_JOBS:-$(nproc)} timeout 300 "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+    tail -n 40 "$OUT/build.log"
+    echo "gpu_check: building dtr._C failed (above); the steps run on the pure-Python core" >&2
+  fi
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)' 2>/dev/null; then

@@ -148,8 +148,9 @@ class TreeNet(nn.Module):
 class Spec:
     name: str
     build: Callable[[int], nn.Module]  # scale -> model
-    batch: Callable[[torch.Generator, int], tuple]  # (generator, scale) -> batch
+    batch: Callable[[torch.Generator, int, int], tuple]  # (generator, scale, size) -> batch
     loss: Callable[[nn.Module, tuple], torch.Tensor]
+    batch_size: Callable[[int], int]  # scale -> the default batch size
 
 
 def _classify(model, batch):
@@ -170,42 +171,52 @@ def _tokens(g, batch, seq, vocab=50):
 
 # scale 1: the test size (seconds on a CPU). Larger scales grow the tensors, not the
 # depth, so that each op's compute dominates the per-op dispatch cost (benchmarks).
+# The batch size is the first dimension of every batch tensor (the tree's second: its
+# tokens are [leaves, batch]); bench/max_batch.py varies it.
 MODELS: dict[str, Spec] = {
     "mlp": Spec(
         "mlp",
         lambda s: MLP(width=32 * s),
-        lambda g, s: (
-            torch.randn(256 * s, 32 * s, generator=g),
-            torch.randint(0, 10, (256 * s,), generator=g),
+        lambda g, s, n: (
+            torch.randn(n, 32 * s, generator=g),
+            torch.randint(0, 10, (n,), generator=g),
         ),
         _classify,
+        lambda s: 256 * s,
     ),
     "cnn": Spec(
         "cnn",
         lambda s: CNN(width=8 * s),
-        lambda g, s: (
-            torch.randn(16, 3, 16 * s, 16 * s, generator=g),
-            torch.randint(0, 10, (16,), generator=g),
+        lambda g, s, n: (
+            torch.randn(n, 3, 16 * s, 16 * s, generator=g),
+            torch.randint(0, 10, (n,), generator=g),
         ),
         _classify,
+        lambda s: 16,
     ),
     "lstm": Spec(
-        "lstm", lambda s: LSTMLM(dim=32 * s), lambda g, s: _tokens(g, 16 * s, 16 * s), _lm
+        "lstm",
+        lambda s: LSTMLM(dim=32 * s),
+        lambda g, s, n: _tokens(g, n, 16 * s),
+        _lm,
+        lambda s: 16 * s,
     ),
     "transformer": Spec(
         "transformer",
         lambda s: Transformer(dim=32 * s, max_len=64 * s),
-        lambda g, s: _tokens(g, 16, 16 * s),
+        lambda g, s, n: _tokens(g, n, 16 * s),
         _lm,
+        lambda s: 16,
     ),
     "tree": Spec(
         "tree",
         lambda s: TreeNet(dim=16 * s),
-        lambda g, s: (
-            torch.randint(0, 30, (12, 32 * s), generator=g),
-            torch.randint(0, 4, (32 * s,), generator=g),
+        lambda g, s, n: (
+            torch.randint(0, 30, (12, n), generator=g),
+            torch.randint(0, 4, (n,), generator=g),
         ),
         _classify,
+        lambda s: 32 * s,
     ),
 }
 
@@ -215,6 +226,11 @@ def build(name: str, seed: int = 0, scale: int = 1) -> nn.Module:
     return MODELS[name].build(scale)
 
 
-def batches(name: str, steps: int, seed: int = 1, scale: int = 1) -> list[tuple]:
+def batches(
+    name: str, steps: int, seed: int = 1, scale: int = 1, size: int | None = None
+) -> list[tuple]:
+    """`steps` batches of `size` examples (default: the model's batch size at `scale`)."""
+    spec = MODELS[name]
+    n = spec.batch_size(scale) if size is None else size
     g = torch.Generator().manual_seed(seed)
-    return [MODELS[name].batch(g, scale) for _ in range(steps)]
+    return [spec.batch(g, scale, n) for _ in range(steps)]
