@@ -24,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("retain", &dtr::Core::retain)
       .def("release", &dtr::Core::release)
       .def("lock", &dtr::Core::lock)
+      .def("touch", &dtr::Core::touch)
       .def("unlock", &dtr::Core::unlock)
       .def("pin", &dtr::Core::pin)
       .def("drain", &dtr::Core::drain)
@@ -80,6 +81,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("evictions", &dtr::Core::evictions)
       .def_readonly("eager_evictions", &dtr::Core::eager_evictions)
       .def_readwrite("search_sample", &dtr::Core::search_sample)
+      .def_readwrite("request_stamps", &dtr::Core::request_stamps)
       .def_readonly("search_seconds", &dtr::Core::search_seconds);
   dtr::bind_fastpath(m);
 }

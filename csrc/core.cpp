@@ -159,7 +159,7 @@ std::vector<int64_t> Core::record(const std::vector<int64_t>& inputs, double cos
   int64_t rid = alloc_recipe(inputs, cost);
   for (int64_t i : inputs) {
     tensors_[i].consumers.push_back(rid);
-    pools_[tensors_[i].pool].last_access = now;
+    if (!request_stamps) pools_[tensors_[i].pool].last_access = now;
   }
   now += recipes_[rid].cost;
   const size_t n = kinds.size();
@@ -285,8 +285,10 @@ void Core::lock(int64_t tid) {
   t.lock += 1;
   PoolRec& p = pools_[t.pool];
   p.locks += 1;
-  p.last_access = now;
+  if (!request_stamps) p.last_access = now;
 }
+
+void Core::touch(int64_t tid) { pools_[T(tid).pool].last_access = now; }
 
 void Core::unlock(int64_t tid) {
   TensorRec& t = T(tid);
@@ -670,6 +672,10 @@ int64_t Core::remat_step() {
     }
     if (t.recipe < 0) fail("tensor " + std::to_string(tid) + " is evicted and has no recipe");
     const int64_t rid = t.recipe;
+    if (request_stamps && !frames_.back().seen) {  // the rerun is requested: stamp its inputs
+      frames_.back().seen = true;
+      for (int64_t i : recipes_[rid].inputs) pools_[tensors_[i].pool].last_access = now;
+    }
     int64_t missing = -1;
     for (int64_t i : recipes_[rid].inputs) {
       if (!tensors_[i].mat) {
@@ -773,9 +779,10 @@ void Core::remat_done(int64_t rid, const std::vector<int64_t>& nbytes,
       if (!p.constant) cand_add(t.pool, p);
     }
     t.mat = true;
-    p.last_access = now;
+    if (!request_stamps) p.last_access = now;
   }
-  for (int64_t i : recipes_[rid].inputs) pools_[tensors_[i].pool].last_access = now;
+  if (!request_stamps)
+    for (int64_t i : recipes_[rid].inputs) pools_[tensors_[i].pool].last_access = now;
 }
 
 // ------------------------------------------------------------------ queries

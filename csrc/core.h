@@ -64,6 +64,7 @@ struct PoolRec {
 struct Frame {
   int64_t tid;
   std::vector<int64_t> locks;
+  bool seen = false;  // its recipe's inputs were stamped (request_stamps)
 };
 
 struct RecipeRec {
@@ -88,6 +89,7 @@ class Core {
   // handles
   void retain(int64_t tid);
   void release(int64_t tid);
+  void touch(int64_t tid);  // stamp tid's pool as accessed now (request_stamps)
   void lock(int64_t tid);
   void unlock(int64_t tid);
   void pin(int64_t tid);
@@ -140,6 +142,12 @@ class Core {
   double remat_cost = 0.0;
   int64_t evictions = 0;
   int64_t eager_evictions = 0;
+  // The paper's simulator's staleness clock (the simulator sets it for the prototype's
+  // traces): a pool is stamped when an op or a rerun that reads it is requested (touch(),
+  // and remat_step() for a rerun's inputs) and when an op creates it; never by a lock, by
+  // record() for the inputs, or by a rerun finishing. False: dtr's own stamps (every lock,
+  // record's inputs, a rerun's outputs and inputs), which keep what was just rebuilt.
+  bool request_stamps = false;
   int64_t search_sample = 0;    // > 0: score this many sampled candidates when there are more
   double search_seconds = 0.0;  // time spent choosing victims
 

@@ -270,7 +270,10 @@ class Replayer {
                                     const std::vector<int64_t>& refs,
                                     const std::vector<int64_t>& nbytes, Room room) {
     std::vector<int64_t> outs;
-    for (int64_t t : args) core_.lock(t);
+    for (int64_t t : args) {
+      core_.touch(t);  // the paper's simulator stamped an op's inputs as it began
+      core_.lock(t);
+    }
     try {
       for (int64_t t : args) materialize(t);
       if (!core_.make_room(room())) throw Stop{"oom"};

@@ -84,11 +84,12 @@ class _Pool:
 
 
 class _Frame:
-    __slots__ = ("tid", "locks")
+    __slots__ = ("tid", "locks", "seen")
 
     def __init__(self, tid: int):
         self.tid = tid
         self.locks: list[int] = []
+        self.seen = False  # its recipe's inputs were stamped (request_stamps)
 
 
 class _Recipe:
@@ -136,6 +137,10 @@ class PyCore:
         # (swap-remove, the same order in the C++ core) so that victim search never walks
         # evicted or freed pools, and can sample (see _choose).
         self._cands: list[int] = []
+        # The paper's simulator's clock for staleness: a pool is stamped when an op (or a
+        # rerun) that reads it is requested, and when an op creates it; never by a lock,
+        # nor by a rerun finishing. False: dtr's own (stamp on lock, record, rerun).
+        self.request_stamps = False
         self.search_sample = 0  # > 0: score this many sampled candidates when there are more
         self.search_seconds = 0.0  # time spent choosing victims
         self.now = 0.0
@@ -233,7 +238,8 @@ class PyCore:
         r = self._R[rid]
         for i in r.inputs:
             self._T[i].consumers.append(rid)
-            self._P[self._T[i].pool].last_access = self.now
+            if not self.request_stamps:
+                self._P[self._T[i].pool].last_access = self.now
         self.now += r.cost
         n = len(kinds)
         outs = [-1] * n
@@ -348,7 +354,12 @@ class PyCore:
         t.lock += 1
         p = self._P[t.pool]
         p.locks += 1
-        p.last_access = self.now
+        if not self.request_stamps:
+            p.last_access = self.now
+
+    def touch(self, tid: int) -> None:
+        """Stamp tid's pool as accessed now (an op that reads it was requested)."""
+        self._P[self._T[tid].pool].last_access = self.now
 
     def unlock(self, tid: int) -> None:
         t = self._T[tid]
@@ -720,6 +731,10 @@ class PyCore:
             if t.recipe < 0:
                 raise CoreError(f"dtr: tensor {f.tid} is evicted and has no recipe")
             r = self._R[t.recipe]
+            if self.request_stamps and not f.seen:
+                f.seen = True
+                for i in r.inputs:
+                    self._P[self._T[i].pool].last_access = self.now
             missing = -1
             for i in r.inputs:
                 if not self._T[i].mat:
@@ -819,9 +834,11 @@ class PyCore:
                 if not p.constant:
                     self._cand_add(t.pool, p)
             t.mat = True
-            p.last_access = self.now
-        for i in r.inputs:
-            self._P[self._T[i].pool].last_access = self.now
+            if not self.request_stamps:
+                p.last_access = self.now
+        if not self.request_stamps:
+            for i in r.inputs:
+                self._P[self._T[i].pool].last_access = self.now
 
     # ------------------------------------------------------------------ queries
     def is_materialized(self, tid: int) -> bool:

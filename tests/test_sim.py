@@ -189,6 +189,7 @@ def test_live_run_and_its_replay_evict_alike(name, tmp_path, logged, core):
     assert live.stats.evictions == len(live_log) > 0
     prog = sim.load(path)
     assert prog.mode == P.LIVE
+    assert any(ins[0] == "RESERVE" for ins in P.disassemble(prog))  # room made before ops
     for engine in ENGINES:
         res = sim.simulate(prog, "dtr", budget=budget, engine=engine, log=True, thrash=0)
         assert res.status == "ok"
@@ -288,6 +289,34 @@ def test_paper_overheads_at_half_budget(name, paper):
     res = sim.simulate(prog, "dtr", ratio=0.5)
     assert res.status == "ok"
     assert abs(res.overhead - paper) <= 0.02 * paper, res.overhead
+
+
+PAPER_SMALLEST = {  # smallest feasible ratio on the 0.05 grid: h_DTR, h_DTR^eq, h_MSPS
+    "tv_densenet121": (0.15, 0.20, 0.15),
+    "inceptionv4": (0.25, 0.25, 0.30),
+    "resnet32": (0.15, 0.15, 0.15),
+    "transformer": (0.20, 0.20, 0.15),
+    "unet": (0.45, 0.45, 0.30),
+    "treelstm": (0.15, 0.25, 0.40),
+    "lstm": (0.20, 0.20, 0.30),
+    "unroll_gan": (0.25, 0.30, 0.65),
+}
+
+
+@needs_prototype
+@pytest.mark.parametrize("name", sorted(PAPER_SMALLEST))
+def test_paper_smallest_feasible_ratios(name):
+    # The paper's simulator's smallest feasible ratios (issue 3), reached exactly: feasible
+    # there, infeasible one grid step below. The prototype's traces replay with the
+    # paper's staleness clock (core.request_stamps); dtr's own clock, stamping on every
+    # lock and rerun, stopped one or more steps short on four traces.
+    prog = sim.load(_find(name))
+    for heuristic, smallest in zip(("dtr", "dtr_eq", "msps"), PAPER_SMALLEST[name]):
+        assert sim.simulate(prog, heuristic, ratio=smallest).feasible, (heuristic, smallest)
+        below = round(smallest - 0.05, 2)
+        assert not sim.simulate(prog, heuristic, ratio=below).feasible, (heuristic, below)
+    if name == "lstm":  # the paper's feasibility hole: 0.25 fails where 0.20 succeeds
+        assert not sim.simulate(prog, "dtr", ratio=0.25).feasible
 
 
 def _find(name):

@@ -104,6 +104,9 @@ def simulate(
     if budget is None:
         budget = -1
     core = _make_core(heuristic, budget, seed, "python" if engine == "python" else "c++", sample)
+    # The prototype's traces replay on the paper's staleness clock (dtr/NOTES.md, "Two
+    # replay semantics"); ours on the live runtime's, so a replay decides as the run did.
+    core.request_stamps = prog.mode == program.PROTOTYPE
     if engine == "c++" and hasattr(type(core), "replay"):
         return _cpp_replay(prog, core, stress, thrash, log)
     return replay(prog, core, stress, thrash, log)

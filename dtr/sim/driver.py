@@ -241,6 +241,7 @@ class Replay(Driver):
         for its fresh outputs first (room() bytes), then record it."""
         core = self.core
         for t in args:
+            core.touch(t)  # the paper's simulator stamped an op's inputs as it began
             core.lock(t)
         try:
             for t in args:

@@ -61,6 +61,7 @@ NAMES = {
     EXPORT: "EXPORT",
     BACKWARD: "BACKWARD",
     END: "END",
+    RESERVE: "RESERVE",
 }
 
 
@@ -72,7 +73,7 @@ def disassemble(prog: Program) -> list[tuple]:
         if op in (CONST, COPY, COPY_FROM):
             out.append((NAMES[op], code[pc + 1], code[pc + 2]))
             pc += 3
-        elif op in (RELEASE, READ, EXPORT):
+        elif op in (RELEASE, READ, EXPORT, RESERVE):
             out.append((NAMES[op], code[pc + 1]))
             pc += 2
         elif op in (INPUTS, INVALIDATE):
