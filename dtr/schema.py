@@ -48,9 +48,11 @@ def _rnn_writes(dropout: int, train: int, state: int, reserve: int = -1):
     _cudnn_rnn(..., float dropout, bool train, ..., Tensor? dropout_state), in training
     with dropout, draws its masks from the RNG state held in dropout_state (cuDNN's own,
     cached by PyTorch, not a torch.Generator) and advances that state in place. On an
-    H200, recomputed backward calls left the live state advanced too (the next step drew
-    other masks than eager), and the backward writes the forward's reserve space (its
-    backward-data pass leaves there what the weight pass reads). As writes, each recipe
+    H200, with the forward's state kept, an LSTM in stress mode still drew other masks
+    than eager from its second step on: the recomputed backward calls, which read the
+    live state, must advance it too (inferred; not yet rerun on a GPU with this fix). The
+    backward also writes the forward's reserve space (its backward-data pass leaves there
+    what the weight pass reads). As writes, each recipe
     keeps the state it saw (a snapshot: 6.2 MiB on an H200) and replays on a copy,
     leaving the live state where eager left it; the reserve gets a new version."""
 
