@@ -90,6 +90,12 @@ py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwa
     if (t != nullptr && PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(ckpt_type_.ptr()))) {
       py::object ref = get(t, s_ref_);
       if (get(ref, s_runtime_).ptr() == rt_.ptr()) return new_wrapper(ref, t);
+    } else if (t != nullptr && THPVariable_Check(t)) {
+      // a plain tensor (a parameter AccumulateGrad or an optimizer detaches): _detach
+      // runs the op as it is
+      PyObject* raw = PyObject_Call(op.op.ptr(), args.ptr(), nullptr);
+      if (raw == nullptr) throw py::error_already_set();
+      return py::reinterpret_steal<py::object>(raw);
     }
     return fallback(func, args, kwargs);
   }

@@ -70,9 +70,11 @@ def test_fast_path_serves_the_common_ops(name, monkeypatch):
     counts = _fallbacks(monkeypatch)
     run = train(name, dtr_kwargs={"budget": int(_peak(name) * 0.5), "cost_model": "roofline"})
     assert run.stats.evictions > 0
-    # What handle() serves: dropout's random in-place steps, detach of a plain
-    # tensor, backward's seed, and ops whose input was evicted (rematerialized there).
+    # What handle() serves: dropout's random in-place steps, backward's seed, and ops
+    # whose input was evicted (rematerialized there). Detach, of a managed tensor or a
+    # plain one, never goes there.
     assert sum(counts.values()) < 0.2 * run.stats.ops, counts
+    assert counts["aten.detach.default"] == 0, counts
     for name in ("aten.mm.default", "aten.addmm.default", "aten.t.default", "aten.view.default"):
         assert counts[name] < 0.2 * run.stats.ops, (name, counts)
 
