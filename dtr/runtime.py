@@ -605,7 +605,7 @@ class Runtime(Driver):
     # Driver hooks (dtr/protocol.py): rematerialize() and invalidate() come from there.
     def rematerialize(self, tid: int) -> None:
         if self._fast is not None and self._fast.rematerialize(tid):
-            return  # the same calls, made from C++ (csrc/fastpath.cpp)
+            return  # the same calls, made from C++ (csrc/fastpath_remat.cpp)
         self._stealing = None
         try:
             super().rematerialize(tid)
