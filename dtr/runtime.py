@@ -435,7 +435,9 @@ class Runtime(Driver):
                 continue  # a sparse result, or metadata kernels read: stays plain
             if keys is None:
                 keys = {v.untyped_storage()._cdata: k for k, v in enumerate(op.vals)}
-            src = keys.get(o.untyped_storage()._cdata, -1)
+            storage = o.untyped_storage()
+            key = storage._cdata
+            src = keys.get(key, -1)
             if src >= 0:
                 if op.nodes[src] is None:  # a view of a constant stays plain
                     replacements[(i, j)] = o
@@ -443,17 +445,17 @@ class Runtime(Driver):
                 kinds.append(VIEW)
                 refs.append(op.tids[src])
                 nbytes.append(0)
-            elif (q := fresh_keys.get(o.untyped_storage()._cdata, -1)) >= 0:
+            elif (q := fresh_keys.get(key, -1)) >= 0:
                 # a view of an earlier output's fresh storage (cuDNN's RNN weight
                 # gradients: views of one buffer), counted once
                 kinds.append(VIEW)
                 refs.append(-(q + 1))
                 nbytes.append(0)
             else:
-                fresh_keys[o.untyped_storage()._cdata] = len(kinds)
+                fresh_keys[key] = len(kinds)
                 kinds.append(NEW)
                 refs.append(-1)
-                nbytes.append(o.untyped_storage().nbytes())
+                nbytes.append(storage.nbytes())
             specs.append((i, j))
             produced.append(o)
         if op.key is not None:
