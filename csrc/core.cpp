@@ -62,6 +62,7 @@ RecipeRec& Core::R(int64_t rid) { return const_cast<RecipeRec&>(std::as_const(*t
 
 // ------------------------------------------------------------------ allocation
 int64_t Core::new_tensor(int64_t pool, int64_t recipe, int64_t ext, bool mat) {
+  graph_changed();
   int64_t tid;
   if (!free_t_.empty()) {
     tid = free_t_.back();
@@ -85,6 +86,7 @@ int64_t Core::new_tensor(int64_t pool, int64_t recipe, int64_t ext, bool mat) {
 }
 
 int64_t Core::new_pool(int64_t nbytes, bool resident, bool constant) {
+  graph_changed();
   int64_t pid;
   if (!free_p_.empty()) {
     pid = free_p_.back();
@@ -93,6 +95,7 @@ int64_t Core::new_pool(int64_t nbytes, bool resident, bool constant) {
     pid = static_cast<int64_t>(pools_.size());
     pools_.emplace_back();
     visit_.push_back(0);
+    adj_.emplace_back();
   }
   PoolRec& p = pools_[pid];
   p = PoolRec();
@@ -152,6 +155,7 @@ std::vector<int64_t> Core::record(const std::vector<int64_t>& inputs, double cos
                                   const std::vector<int64_t>& kinds,
                                   const std::vector<int64_t>& refs,
                                   const std::vector<int64_t>& nbytes) {
+  graph_changed();
   if (refs.size() != kinds.size() || nbytes.size() != kinds.size())
     fail("record: kinds, refs and nbytes differ in length");
   for (int64_t i : inputs) T(i);
@@ -227,6 +231,7 @@ int64_t Core::alloc_recipe(const std::vector<int64_t>& inputs, double cost) {
 }
 
 int64_t Core::version(int64_t old, int64_t rid) {
+  graph_changed();
   // Invariant 4: the storage now holds the new value; every old member moves to a
   // fresh, evicted pool so that it is recomputed into new storage when needed.
   int64_t pid = tensors_[old].pool;
@@ -301,6 +306,7 @@ void Core::unlock(int64_t tid) {
 }
 
 void Core::pin(int64_t tid) {
+  graph_changed();
   if (tid < 0 || tid >= static_cast<int64_t>(tensors_.size()) || !tensors_[tid].used) return;
   TensorRec& t = tensors_[tid];
   int64_t rid = t.recipe;
@@ -333,6 +339,7 @@ void Core::drop(std::vector<int64_t> stack) {
     int64_t tid = stack.back();
     stack.pop_back();
     if (!droppable(tensors_[tid])) continue;
+    graph_changed();
     TensorRec& t = tensors_[tid];
     int64_t pid = t.pool;
     PoolRec& p = pools_[pid];
@@ -362,6 +369,7 @@ void Core::drop(std::vector<int64_t> stack) {
 void Core::drop_recipe(int64_t rid) { drop(release_recipe(rid)); }
 
 std::vector<int64_t> Core::release_recipe(int64_t rid) {
+  graph_changed();
   RecipeRec r = std::move(recipes_[rid]);
   for (int64_t i : r.inputs) remove_first(tensors_[i].consumers, rid);
   recipes_[rid] = RecipeRec();
@@ -373,6 +381,7 @@ std::vector<int64_t> Core::release_recipe(int64_t rid) {
 }
 
 void Core::free_pool(int64_t pid) {
+  graph_changed();
   PoolRec& p = pools_[pid];
   if (p.resident) {
     resident_bytes -= p.nbytes;
@@ -545,10 +554,22 @@ void Core::pool_children(int64_t pid, std::vector<int64_t>& out) const {
         if (o >= 0) out.push_back(tensors_[o].pool);
 }
 
+const std::vector<int64_t>& Core::adjacent(int64_t pid, int direction) {
+  Adjacency& a = adj_[pid];
+  if (a.gen[direction] != graph_gen_) {
+    if (direction == 0) {
+      pool_parents(pid, a.pools[0]);
+    } else {
+      pool_children(pid, a.pools[1]);
+    }
+    a.gen[direction] = graph_gen_;
+  }
+  return a.pools[direction];
+}
+
 double Core::neighborhood(int64_t pid, bool up, bool down, double total, double denom,
                           double bound) {
   std::vector<int64_t>& stack = walk_stack_;  // scratch: no allocation per score
-  std::vector<int64_t>& nbrs = walk_nbrs_;
   for (int direction = 0; direction < 2; ++direction) {
     if ((direction == 0 && !up) || (direction == 1 && !down)) continue;
     const uint64_t mark = ++epoch_;
@@ -557,12 +578,7 @@ double Core::neighborhood(int64_t pid, bool up, bool down, double total, double 
     while (!stack.empty()) {
       int64_t q = stack.back();
       stack.pop_back();
-      if (direction == 0) {
-        pool_parents(q, nbrs);
-      } else {
-        pool_children(q, nbrs);
-      }
-      for (int64_t nb : nbrs) {
+      for (int64_t nb : adjacent(q, direction)) {
         if (visit_[nb] == mark) continue;
         visit_[nb] = mark;
         const PoolRec& pn = pools_[nb];
@@ -595,19 +611,16 @@ void Core::mark_evicted(int64_t pid) {
   uf_parent_.push_back(node);
   uf_cost_.push_back(p.cost);
   p.uf = node;
-  std::vector<int64_t> nbrs, kids;
-  pool_parents(pid, nbrs);
-  pool_children(pid, kids);
-  nbrs.insert(nbrs.end(), kids.begin(), kids.end());
-  for (int64_t nb : nbrs) {
-    const PoolRec& pn = pools_[nb];
-    if (nb == pid || pn.resident || pn.uf < 0) continue;
-    int64_t a = uf_find(pn.uf), b = uf_find(node);
-    if (a != b) {
-      uf_parent_[a] = b;
-      uf_cost_[b] += uf_cost_[a];
+  for (int direction = 0; direction < 2; ++direction)
+    for (int64_t nb : adjacent(pid, direction)) {
+      const PoolRec& pn = pools_[nb];
+      if (nb == pid || pn.resident || pn.uf < 0) continue;
+      int64_t a = uf_find(pn.uf), b = uf_find(node);
+      if (a != b) {
+        uf_parent_[a] = b;
+        uf_cost_[b] += uf_cost_[a];
+      }
     }
-  }
 }
 
 void Core::uf_leave(PoolRec& p) {
@@ -623,20 +636,19 @@ void Core::uf_leave(PoolRec& p) {
 }
 
 double Core::eq_neighbors(int64_t pid) {
-  std::vector<int64_t> nbrs, kids, roots;
-  pool_parents(pid, nbrs);
-  pool_children(pid, kids);
-  nbrs.insert(nbrs.end(), kids.begin(), kids.end());
+  std::vector<int64_t>& roots = walk_stack_;  // scratch: no allocation per score
+  roots.clear();
   double total = 0.0;
-  for (int64_t nb : nbrs) {
-    const PoolRec& pn = pools_[nb];
-    if (nb == pid || pn.resident || pn.uf < 0) continue;
-    int64_t r = uf_find(pn.uf);
-    if (!contains(roots, r)) {
-      roots.push_back(r);
-      total += uf_cost_[r];
+  for (int direction = 0; direction < 2; ++direction)
+    for (int64_t nb : adjacent(pid, direction)) {
+      const PoolRec& pn = pools_[nb];
+      if (nb == pid || pn.resident || pn.uf < 0) continue;
+      int64_t r = uf_find(pn.uf);
+      if (!contains(roots, r)) {
+        roots.push_back(r);
+        total += uf_cost_[r];
+      }
     }
-  }
   return total;
 }
 

@@ -183,6 +183,8 @@ class Core {
   void pool_parents(int64_t pid, std::vector<int64_t>& out) const;
   void pool_children(int64_t pid, std::vector<int64_t>& out) const;
   double neighborhood(int64_t pid, bool up, bool down, double total, double denom, double bound);
+  const std::vector<int64_t>& adjacent(int64_t pid, int direction);
+  void graph_changed() { ++graph_gen_; }
   int64_t uf_find(int64_t x);
   void mark_evicted(int64_t pid);
   void uf_leave(PoolRec& p);
@@ -201,8 +203,8 @@ class Core {
   // Resident, non-constant pools (the possible victims), swap-removed in the same order
   // as PyCore._cands, so victim search never walks evicted or freed pools.
   std::vector<int64_t> cands_;
-  std::vector<int64_t> sample_;                  // scratch for sampled search
-  std::vector<int64_t> walk_stack_, walk_nbrs_;  // scratch for neighborhood()
+  std::vector<int64_t> sample_;      // scratch for sampled search
+  std::vector<int64_t> walk_stack_;  // scratch for neighborhood() and eq_neighbors()
   std::vector<int64_t> uf_parent_;
   std::vector<double> uf_cost_;
   int64_t evicted_pools_ = 0;
@@ -211,6 +213,18 @@ class Core {
   std::vector<int64_t> log_;
   std::vector<uint64_t> visit_;  // per-pool epoch marks for neighbourhood walks
   uint64_t epoch_ = 0;
+  // Each pool's parents and children (pool_parents, pool_children), cached for the
+  // neighbourhood walks: one victim decision walks the same evicted region from many
+  // candidates, and a burst of evictions (make_room) changes no edges. graph_gen_ counts
+  // changes to the graph (members, recipes, consumers, outputs); an entry is valid while
+  // its stamp equals it. Residency is not part of an entry, so evictions and
+  // recomputations keep the cache.
+  struct Adjacency {
+    uint64_t gen[2] = {0, 0};  // [parents, children]
+    std::vector<int64_t> pools[2];
+  };
+  std::vector<Adjacency> adj_;
+  uint64_t graph_gen_ = 1;
 };
 
 }  // namespace dtr
