@@ -177,7 +177,7 @@ def mib(nbytes: float) -> str:
 
 
 def print_table(header: list[str], rows: list[list]) -> None:
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
+    widths = [max([len(str(h))] + [len(str(r[i])) for r in rows]) for i, h in enumerate(header)]
     line = "  ".join(str(h).rjust(w) for h, w in zip(header, widths))
     print(line)
     print("-" * len(line))

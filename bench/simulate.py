@@ -213,6 +213,8 @@ def main(argv=None) -> None:
         print(f"no prototype traces in {args.traces}; continuing with ours")
     if not args.no_record:
         traces += record_traces(args.models, os.path.join(RESULTS, "traces"))
+    if not traces:
+        parser.error(f"nothing to simulate: no prototype traces in {args.traces}, and --no-record")
     start = time.perf_counter()
     rows = sweep(traces, args.heuristics, RATIOS, args.engine)
     seconds = time.perf_counter() - start
