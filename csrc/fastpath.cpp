@@ -184,10 +184,10 @@ void FastPath::drain() {
       set_item(nodes_, t, none);
     }
     py::int_ tid(t);
-    py::object key = const_keys_.attr("pop")(tid, none);
+    py::object key = dict_pop(const_keys_.ptr(), tid.ptr());
     if (!key.is_none() && PyDict_DelItem(storages_.ptr(), key.ptr()) < 0)
       throw py::error_already_set();
-    key = escaped_keys_.attr("pop")(tid, none);
+    key = dict_pop(escaped_keys_.ptr(), tid.ptr());
     if (!key.is_none()) {
       PyObject* held = PyDict_GetItemWithError(escaped_.ptr(), key.ptr());
       if (held == nullptr && PyErr_Occurred()) throw py::error_already_set();
@@ -466,7 +466,7 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
     for (size_t q = 0; q < kinds.size(); ++q) {
       py::handle value(produced[q]);
       py::int_ tid(out_tids[q]);
-      py::object node = call(node_type_, {tid, value, op.name, get(value, s_shape_)});
+      py::object node = new_node(tid, value, op.name, get(value, s_shape_));
       set_item(nodes_, out_tids[q], node);
       if (PyList_Append(rec_outputs.ptr(), node.ptr()) < 0) throw py::error_already_set();
       if (kinds[q] == kVersion) {
@@ -474,7 +474,7 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
         set(get(py::handle(leaves[specs_of[q].second].arg), s_ref_), s_node_, node);
       } else {
         protect.push_back(out_tids[q]);
-        out_of[q]->wrapper = new_wrapper(call(ref_type_, {node, rt_}), value);
+        out_of[q]->wrapper = new_wrapper(new_ref(node), value);
       }
     }
     set_item(get(rt_, s_recipes_), core.recipe_of(out_tids[0]), rec);
@@ -547,7 +547,7 @@ int64_t FastPath::constant(PyObject* arg, std::vector<int64_t>& fresh) {
   int64_t tid = core_->new_constant(nbytes);
   py::handle value(arg);
   py::int_ id(tid);
-  set_item(nodes_, tid, call(node_type_, {id, py::none(), s_constant_, get(value, s_shape_)}));
+  set_item(nodes_, tid, new_node(id, py::none(), s_constant_, get(value, s_shape_)));
   if (PyDict_SetItem(storages_.ptr(), key.ptr(), id.ptr()) < 0 ||
       PyDict_SetItem(const_keys_.ptr(), id.ptr(), key.ptr()) < 0)
     throw py::error_already_set();
@@ -596,6 +596,27 @@ py::object FastPath::new_wrapper(py::handle ref, py::handle like) {
   if (t.is_neg()) call(set_neg_, {w, py::bool_(true)});
   set(w, s_ref_, ref);
   return w;
+}
+
+// Node(tid, value, name, shape) and Ref(node, runtime) (dtr/tensor.py), without their
+// __init__ frames (change both).
+py::object FastPath::new_node(py::handle tid, py::handle value, py::handle name, py::handle shape) {
+  py::object node = call(object_new_, {node_type_});
+  set(node, s_tid_, tid);
+  set(node, s_value_, value);
+  set(node, s_name_, name);
+  set(node, s_shape_, shape);
+  PyObject* serial = PyIter_Next(serials_.ptr());  // next(_serials)
+  if (serial == nullptr) throw py::error_already_set();
+  set(node, s_serial_, py::reinterpret_steal<py::object>(serial));
+  return node;
+}
+
+py::object FastPath::new_ref(py::handle node) {
+  py::object ref = call(object_new_, {ref_type_});
+  set(ref, s_node_, node);
+  set(ref, s_runtime_, rt_);
+  return ref;
 }
 
 // Recipe(func, facts, args, kwargs, where, inputs, clone, specs, captured, grad)

@@ -94,6 +94,7 @@ class FastPath {
     recipe_written_ = types.attr("recipe_written");
     stand_in_type_ = types.attr("StandIn");
     copy_layout_ = types.attr("copy_preserving_layout");
+    serials_ = types.attr("serials");
     wrapper_kwnames_ =
         py::make_tuple("strides", "storage_offset", "dtype", "device", "layout", "requires_grad");
     nodes_ = rt_.attr("nodes");
@@ -156,6 +157,8 @@ class FastPath {
   void settle(const std::vector<int64_t>& fresh, const OpInfo& op);
   int64_t constant(PyObject* arg, std::vector<int64_t>& fresh);
   py::object new_wrapper(py::handle ref, py::handle like);
+  py::object new_node(py::handle tid, py::handle value, py::handle name, py::handle shape);
+  py::object new_ref(py::handle node);
   py::object new_recipe(const OpInfo& op, const py::object& args, const py::object& kwargs,
                         const py::list& where, const py::list& inputs, const py::tuple& clone,
                         const py::list& specs, const py::object& captured,
@@ -165,7 +168,7 @@ class FastPath {
 
   py::object rt_, ckpt_type_, node_type_, ref_type_, recipe_type_, oom_type_, roofline_;
   py::object make_wrapper_, set_conj_, set_neg_, object_new_, wrapper_kwnames_, capture_;
-  py::object recipe_freed_, recipe_written_, stand_in_type_, copy_layout_;
+  py::object recipe_freed_, recipe_written_, stand_in_type_, copy_layout_, serials_;
   py::object nodes_, storages_, const_keys_, escaped_, escaped_keys_, sizes_, lock_;
   py::object core_obj_;
   Core* core_;
@@ -175,6 +178,7 @@ class FastPath {
                    s_pending_ = intern("pending_refs"), s_ref_ = intern("_dtr_ref"),
                    s_runtime_ = intern("runtime"), s_node_ = intern("node"),
                    s_value_ = intern("value"), s_tid_ = intern("tid"), s_shape_ = intern("shape"),
+                   s_name_ = intern("name"), s_serial_ = intern("serial"),
                    s_recipes_ = intern("recipes"), s_outputs_ = intern("outputs"),
                    s_acquire_ = intern("acquire"), s_release_ = intern("release"),
                    s_handle_ = intern("handle"), s_predict_ = intern("predict"),

@@ -61,6 +61,18 @@ inline void call_keeping_error(PyObject* obj, PyObject* name, PyObject* arg) {
   PyErr_Restore(type, value, tb);
 }
 
+// dict.pop(key, None) on a dict, without looking up and calling the method.
+inline py::object dict_pop(PyObject* dict, PyObject* key) {
+  PyObject* item = PyDict_GetItemWithError(dict, key);  // borrowed
+  if (item == nullptr) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return py::none();
+  }
+  py::object value = py::reinterpret_borrow<py::object>(item);
+  if (PyDict_DelItem(dict, key) < 0) throw py::error_already_set();
+  return value;
+}
+
 inline bool is_seq(PyObject* a) { return PyList_CheckExact(a) || PyTuple_CheckExact(a); }
 
 // Call.__init__'s walk (dtr/call.py): tensors directly in args/kwargs, or one level

@@ -34,7 +34,7 @@ from .recipe import VERSION_SPEC, Recipe, StandIn, copy_preserving_layout
 from .reserve import OutputSizes
 from .schema import OpFacts, op_facts
 from .steps import StepTracker
-from .tensor import CheckpointTensor, Node, Ref
+from .tensor import CheckpointTensor, Node, Ref, _serials
 from .timeline import Recorder
 from .trace import TraceWriter
 from .units import format_bytes
@@ -994,6 +994,7 @@ _FAST_TYPES = types.SimpleNamespace(
     set_conj=torch._C._set_conj,
     set_neg=torch._C._set_neg,
     object_new=object.__new__,
+    serials=_serials,
     capture=rng.capture,
     recipe_freed=_recipe.freed_error,
     recipe_written=_recipe.written_error,

@@ -24,6 +24,7 @@ _serials = itertools.count()
 
 
 class Node:
+    # csrc/fastpath.cpp (new_node) fills the slots without __init__: change both.
     __slots__ = ("tid", "value", "name", "shape", "serial")
 
     def __init__(self, tid: int, value: torch.Tensor | None, name: str, shape):
@@ -43,6 +44,7 @@ class Node:
 
 
 class Ref:
+    # csrc/fastpath.cpp (new_ref) fills the slots without __init__: change both.
     __slots__ = ("node", "runtime")
 
     def __init__(self, node: Node, runtime):
