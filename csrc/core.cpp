@@ -473,7 +473,9 @@ int64_t Core::choose() {
     sample_.resize(search_sample);
     for (int64_t i = 0; i < search_sample; ++i)
       sample_[i] = cands_[next_random() % static_cast<uint64_t>(n)];
+    sampling_ = true;
     best = best_of(sample_);
+    sampling_ = false;
   }
   if (best < 0) best = best_of(cands_);
   search_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -567,6 +569,20 @@ const std::vector<int64_t>& Core::adjacent(int64_t pid, int direction) {
   return a.pools[direction];
 }
 
+// A candidate's own edges: cached when every candidate is scored (an exact search
+// scores the same ones again at the next decision of a burst), read afresh when a
+// sampled search draws them (most are met once, and filling their entries cost more
+// than it saved: 1e6 live tensors, 40% slower decisions).
+const std::vector<int64_t>& Core::root_adjacent(int64_t pid, int direction) {
+  if (!sampling_) return adjacent(pid, direction);
+  if (direction == 0) {
+    pool_parents(pid, walk_nbrs_);
+  } else {
+    pool_children(pid, walk_nbrs_);
+  }
+  return walk_nbrs_;
+}
+
 double Core::neighborhood(int64_t pid, bool up, bool down, double total, double denom,
                           double bound) {
   std::vector<int64_t>& stack = walk_stack_;  // scratch: no allocation per score
@@ -578,7 +594,7 @@ double Core::neighborhood(int64_t pid, bool up, bool down, double total, double 
     while (!stack.empty()) {
       int64_t q = stack.back();
       stack.pop_back();
-      for (int64_t nb : adjacent(q, direction)) {
+      for (int64_t nb : q == pid ? root_adjacent(q, direction) : adjacent(q, direction)) {
         if (visit_[nb] == mark) continue;
         visit_[nb] = mark;
         const PoolRec& pn = pools_[nb];
@@ -640,7 +656,7 @@ double Core::eq_neighbors(int64_t pid) {
   roots.clear();
   double total = 0.0;
   for (int direction = 0; direction < 2; ++direction)
-    for (int64_t nb : adjacent(pid, direction)) {
+    for (int64_t nb : root_adjacent(pid, direction)) {
       const PoolRec& pn = pools_[nb];
       if (nb == pid || pn.resident || pn.uf < 0) continue;
       int64_t r = uf_find(pn.uf);

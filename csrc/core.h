@@ -184,6 +184,7 @@ class Core {
   void pool_children(int64_t pid, std::vector<int64_t>& out) const;
   double neighborhood(int64_t pid, bool up, bool down, double total, double denom, double bound);
   const std::vector<int64_t>& adjacent(int64_t pid, int direction);
+  const std::vector<int64_t>& root_adjacent(int64_t pid, int direction);
   void graph_changed() { ++graph_gen_; }
   int64_t uf_find(int64_t x);
   void mark_evicted(int64_t pid);
@@ -203,8 +204,8 @@ class Core {
   // Resident, non-constant pools (the possible victims), swap-removed in the same order
   // as PyCore._cands, so victim search never walks evicted or freed pools.
   std::vector<int64_t> cands_;
-  std::vector<int64_t> sample_;      // scratch for sampled search
-  std::vector<int64_t> walk_stack_;  // scratch for neighborhood() and eq_neighbors()
+  std::vector<int64_t> sample_;                  // scratch for sampled search
+  std::vector<int64_t> walk_stack_, walk_nbrs_;  // scratch for the neighbourhood walks
   std::vector<int64_t> uf_parent_;
   std::vector<double> uf_cost_;
   int64_t evicted_pools_ = 0;
@@ -225,6 +226,7 @@ class Core {
   };
   std::vector<Adjacency> adj_;
   uint64_t graph_gen_ = 1;
+  bool sampling_ = false;  // choose() is scoring a sample (see root_adjacent)
 };
 
 }  // namespace dtr
