@@ -27,6 +27,9 @@
 #      models)
 #   5. bench.compare_heuristics --device cuda at bench scale, default heuristic
 #   6. bench.max_batch: the largest batch eager and dtr train at in 2 GiB of GPU memory
+#   7. bench.vs_static --device cuda: eager, torch.utils.checkpoint (sqrt(n), per block),
+#      torch.compile (budget 1.0) and dtr at equal memory, Transformer and CNN (last: the
+#      one most likely to be cut short, compiling)
 # Logs, JUnit XML, CSVs (with the allocator's fragmentation columns) and plots go to
 # bench/results/gpu/, plus summary.txt. Exit status: 0 if every step passed, 1 if any
 # failed, timed out or was skipped for lack of time. On a machine without CUDA it says so
@@ -102,6 +105,7 @@ STEPS=(
   "heuristics_quick|80|$PY -m bench.compare_heuristics --device cuda --quick --heuristics dtr dtr_eq msps lru --ratios 1.0 0.5 0.3 --out $OUT/heuristics_quick.csv"
   "heuristics_bench|55|$PY -m bench.compare_heuristics --device cuda --heuristics dtr --ratios 1.0 0.5 0.3 --steps 3 --warmup 1 --out $OUT/heuristics_bench.csv"
   "max_batch|150|$PY -m bench.max_batch --models transformer cnn --memory 2GiB --out $OUT/max_batch.csv"
+  "vs_static|150|$PY -m bench.vs_static --device cuda --models transformer cnn --steps 3 --warmup 1 --compile-budgets 1.0 --ratios 0.6 0.4 0.3 0.2 --calibrate 1 --out $OUT/vs_static.csv"
 )
 
 if [ "$DRY_RUN" = 1 ]; then

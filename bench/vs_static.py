@@ -74,9 +74,15 @@ lowers the peak. The whole model is one graph, and the compiled backward recompu
 the forward did not save and holds it together: at the CNN's peak at budget 0.05, 72 MiB
 of convolution outputs recomputed by the backward graph are alive at once.
 
+On a GPU (``--device cuda``) step time is wall time between two synchronizations, and
+memory the caching allocator's ``max_memory_allocated`` over the profiled step, less
+what was allocated before the model existed (the same things, counted by the
+allocator); results go to bench/results/gpu/.
+
     python -m bench.vs_static                      # the four models (6-10 minutes)
     python -m bench.vs_static --quick              # test-size models, no compile
     python -m bench.vs_static --models cnn --steps 9 --compile-budgets 1.0 0.5 0.2 0.05
+    python -m bench.vs_static --device cuda --models transformer cnn
 
 Results: bench/results/vs_static.csv (every run), vs_static.targets.csv (dtr at each
 static point's memory), vs_static.lowest.csv (the lowest memory each reached) and
@@ -113,7 +119,7 @@ from .common import (
     state_bytes,
     write_csv,
 )
-from .harness import make_optimizer
+from .harness import make_optimizer, to_device
 from .models import MODELS, batches, build
 
 DEFAULT_MODELS = ["cnn", "transformer", "lstm", "tree"]
@@ -373,16 +379,28 @@ def measure(
     dtr_kwargs: dict | None = None,
     context=None,
     optimizer: str = "adam",
+    device: str = "cpu",
 ) -> dict:
     """Train warmup + steps steps with make_loss(model) as batch -> loss (under
-    dtr.enable(**dtr_kwargs) unless None, and inside `context`), then one more step under
-    torch.profiler for the peak. Returns step_s and wall_s (medians over the timed steps
-    of the process's CPU time and of wall time), first_s (wall time of the first step:
-    compilation), peak (bytes), stats (dtr's) and status; a budget dtr cannot meet is
-    status "infeasible", any other failure "error: ..."."""
-    model = build(name, scale=scale)
+    dtr.enable(**dtr_kwargs) unless None, and inside `context`), then one more step for
+    the peak: on the CPU under torch.profiler (its allocation events, plus the state alive
+    before the step), on CUDA the caching allocator's max_memory_allocated over what was
+    allocated before the model existed (the same things, counted by the allocator).
+    Returns step_s (median over the timed steps of the process's CPU time; on CUDA of the
+    wall time between two synchronizations, since the kernels run asynchronously), wall_s
+    (median wall time), first_s (wall time of the first step: compilation), peak (bytes),
+    stats (dtr's) and status; a budget dtr cannot meet is status "infeasible", any other
+    failure "error: ..."."""
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    base = 0
+    if cuda:
+        sync()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+    model = build(name, scale=scale).to(device)
     opt = make_optimizer(optimizer, model.parameters())
-    data = batches(name, warmup + steps + 1, scale=scale)
+    data = [to_device(b, device) for b in batches(name, warmup + steps + 1, scale=scale)]
     out = dict(step_s=math.nan, wall_s=math.nan, first_s=math.nan, peak=None, stats=None)
     out["status"] = "ok"
     try:
@@ -392,8 +410,10 @@ def measure(
         session = dtr.enable(**dtr_kwargs) if dtr_kwargs is not None else None
         with context or contextlib.nullcontext(), session or contextlib.nullcontext():
             for i, batch in enumerate(data[:-1]):
+                sync()
                 start, start_cpu = time.perf_counter(), time.process_time()
                 _step(loss_fn, batch, opt)
+                sync()
                 elapsed, elapsed_cpu = (
                     time.perf_counter() - start,
                     time.process_time() - start_cpu,
@@ -405,26 +425,35 @@ def measure(
                     cpu.append(elapsed_cpu)
             if session is not None:
                 session.reset_peak()
-            before = state_bytes(model, opt, data[-1])
-            prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            with _quiet_stderr():
-                prof.start()
-            try:
+            if cuda:
+                sync()
+                torch.cuda.reset_peak_memory_stats()
                 _step(loss_fn, data[-1], opt)
-            finally:
+                sync()
+                out["peak"] = torch.cuda.max_memory_allocated() - base
+            else:
+                before = state_bytes(model, opt, data[-1])
+                prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
                 with _quiet_stderr():
-                    prof.stop()
+                    prof.start()
+                try:
+                    _step(loss_fn, data[-1], opt)
+                finally:
+                    with _quiet_stderr():
+                        prof.stop()
+                out["peak"] = before + profiled_peak(prof)
             if session is not None:
                 out["stats"] = session.stats()
-        out["step_s"] = statistics.median(cpu)
+        out["step_s"] = statistics.median(wall if cuda else cpu)
         out["wall_s"] = statistics.median(wall)
-        out["peak"] = before + profiled_peak(prof)
     except dtr.BudgetError:
         out["status"] = "infeasible"
     except Exception as exc:  # a method that does not run is a row, not a crash
         out["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     del model, opt, data
     gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     return out
 
 
@@ -476,6 +505,7 @@ def compare(
     backend: str = "inductor",
     optimizer: str = "adam",
     verbose: bool = True,
+    device: str = "cpu",
 ) -> list[dict]:
     """Every method on one model; one dict per run (see the module's docstring)."""
     spec = MODELS[name]
@@ -484,7 +514,9 @@ def compare(
     rows: list[dict] = []
 
     def run(make_loss, **kwargs):
-        return measure(name, scale, steps, warmup, make_loss, optimizer=optimizer, **kwargs)
+        return measure(
+            name, scale, steps, warmup, make_loss, optimizer=optimizer, device=device, **kwargs
+        )
 
     def plain(model):
         return lambda batch: spec.loss(model, batch)
@@ -781,8 +813,20 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--optimizer", default="adam", choices=["sgd", "adam", "adamw"])
     parser.add_argument("--quick", action="store_true", help="test-size models, no compile")
-    parser.add_argument("--out", default=os.path.join(RESULTS, "vs_static.csv"))
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where to train (cuda: the current CUDA device; memory is then the caching "
+        "allocator's peak, time the wall time between synchronizations)",
+    )
+    parser.add_argument("--out", default=None, help="default bench/results/[gpu/]vs_static.csv")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    if args.out is None:
+        folder = os.path.join(RESULTS, "gpu") if args.device == "cuda" else RESULTS
+        args.out = os.path.join(folder, "vs_static.csv")
     if args.compile_budgets is None:
         args.compile_budgets = [] if args.quick else list(COMPILE_BUDGETS)
     torch.set_num_threads(args.threads)
@@ -790,7 +834,7 @@ def main(argv=None) -> None:
     rows: list[dict] = []
     for name in args.models:
         scale = args.scale or (1 if args.quick else BENCH_SCALE[name])
-        print(f"{name} (scale {scale}, {args.threads} thread(s)):", flush=True)
+        print(f"{name} (scale {scale}, {args.device}, {args.threads} thread(s)):", flush=True)
         rows += compare(
             name,
             scale,
@@ -802,6 +846,7 @@ def main(argv=None) -> None:
             dict(heuristic=args.heuristic, cost_model=args.cost_model),
             args.backend,
             args.optimizer,
+            device=args.device,
         )
     print()
     print_table(HEADER[:-1], [r[:-1] for r in table(rows)])
@@ -817,10 +862,12 @@ def main(argv=None) -> None:
     stem = os.path.splitext(args.out)[0]
     write_csv(stem + ".targets.csv", TARGET_HEADER, a)
     write_csv(stem + ".lowest.csv", LOW_HEADER, b)
+    memory_source = "CUDA allocator" if args.device == "cuda" else "torch.profiler"
+    where = "cuda" if args.device == "cuda" else f"{args.threads} thread(s)"
     plot = step_time_vs_memory(
         rows,
         stem + ".png",
-        f"step time against peak memory (torch.profiler), {args.threads} thread(s)",
+        f"step time against peak memory ({memory_source}), {where}",
     )
     print(
         f"\nwrote {args.out}, {stem}.targets.csv, {stem}.lowest.csv and {plot} "

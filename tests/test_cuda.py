@@ -316,3 +316,27 @@ def test_allocator_oom_without_a_budget_evicts_and_retries():
     assert stats.oom_retries > 0 and stats.evictions > 0 and stats.remats > 0
     assert torch.equal(dtr.materialize(loss), loss0)
     assert type(x.grad) is torch.Tensor and torch.equal(x.grad, grad0)
+
+
+def test_vs_static_measures_on_the_gpu():
+    # bench.vs_static --device cuda: the allocator's peak over a step, the same measure
+    # as bench.common.eager_peak_bytes on CUDA; dtr at 60% of it really stays below it
+    # and a budget nothing fits in is a row, not a crash.
+    from bench import vs_static
+    from bench.common import eager_peak_bytes
+    from bench.models import MODELS
+
+    def plain(model):
+        return lambda batch: MODELS["transformer"].loss(model, batch)
+
+    eager = vs_static.measure("transformer", 1, 2, 1, plain, device="cuda")
+    assert eager["status"] == "ok" and eager["step_s"] > 0
+    assert eager["peak"] == pytest.approx(
+        eager_peak_bytes("transformer", 1, device="cuda"), rel=0.02
+    )
+    budget = int(0.6 * eager["peak"])
+    under = vs_static.measure("transformer", 1, 2, 1, plain, {"budget": budget}, device="cuda")
+    assert under["status"] == "ok" and under["stats"].evictions > 0
+    assert under["peak"] < eager["peak"]
+    tiny = vs_static.measure("transformer", 1, 1, 0, plain, {"budget": 1000}, device="cuda")
+    assert tiny["status"] == "infeasible"

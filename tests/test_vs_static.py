@@ -144,3 +144,10 @@ def test_plot(tmp_path):
     assert path.endswith("p.png") and (tmp_path / "p.png").stat().st_size > 10_000
     fig = plot.step_time_vs_memory(rows)
     assert len([ax for ax in fig.axes if ax.has_data()]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        vs_static.main(["--device", "cuda", "--quick", "--models", "mlp"])
+    assert "torch.cuda.is_available() is False" in capsys.readouterr().err
