@@ -124,6 +124,19 @@ py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwa
   return py::reinterpret_steal<py::object>(raw);
 }
 
+// _Mode.__torch_dispatch__ (dtr/session.py) without its Python frame: bound to the mode
+// as its instance attribute (the dispatcher requires a method of the mode), so each op
+// goes straight into C++. While Dynamo's frame hook is set (a compiled function is
+// running), the runtime runs behind torch._disable_dynamo, as there.
+py::object FastPath::torch_dispatch(py::handle mode, py::handle func, py::handle types,
+                                    py::handle args, py::handle kwargs) {
+  if (frame_callback_ && !call(frame_callback_, {}).is_none()) {
+    py::object kw = kwargs.is_none() ? py::dict() : py::reinterpret_borrow<py::object>(kwargs);
+    return call(without_dynamo_, {rt_, func, args, kw});
+  }
+  return (*this)(func, args, kwargs);
+}
+
 void FastPath::throw_from(const py::object& make, py::handle name, py::handle tensor) {
   raise_exc(call(make, {name, tensor}));
 }
@@ -682,6 +695,12 @@ void bind_fastpath(py::module_& m) {
            py::arg("types"), py::arg("stress"), py::arg("check"), py::arg("model_cost"))
       .def("__call__", &fast::FastPath::operator(), py::arg("func"), py::arg("args"),
            py::arg("kwargs") = py::none())
+      .def("torch_dispatch", &fast::FastPath::torch_dispatch, py::arg("mode"), py::arg("func"),
+           py::arg("types"), py::arg("args") = py::tuple(), py::arg("kwargs") = py::none(),
+           "_Mode.__torch_dispatch__ in C++, to be bound to the mode (types.MethodType); "
+           "set_mode_hooks first.")
+      .def("set_mode_hooks", &fast::FastPath::set_mode_hooks, py::arg("frame_callback"),
+           py::arg("without_dynamo"))
       .def("rematerialize", &fast::FastPath::rematerialize_if_own, py::arg("tid"),
            "Runtime.rematerialize in C++; False (nothing done) when the runtime's core is "
            "not the one this fast path was made with.");

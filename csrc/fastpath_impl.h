@@ -110,6 +110,12 @@ class FastPath {
   }
 
   py::object operator()(py::handle func, py::handle args, py::handle kwargs);
+  py::object torch_dispatch(py::handle mode, py::handle func, py::handle types, py::handle args,
+                            py::handle kwargs);
+  void set_mode_hooks(py::object frame_callback, py::object without_dynamo) {
+    frame_callback_ = std::move(frame_callback);
+    without_dynamo_ = std::move(without_dynamo);
+  }
   bool rematerialize_if_own(int64_t tid) {
     if (get(rt_, s_core_).ptr() != core_obj_.ptr()) return false;  // (tests wrap the core)
     rematerialize(tid);
@@ -171,6 +177,7 @@ class FastPath {
   py::object recipe_freed_, recipe_written_, stand_in_type_, copy_layout_, serials_;
   py::object nodes_, storages_, const_keys_, escaped_, escaped_keys_, sizes_, lock_;
   py::object core_obj_;
+  py::object frame_callback_, without_dynamo_;  // dtr/session.py's, for torch_dispatch
   Core* core_;
   bool stress_, check_, model_cost_;
   std::unordered_map<PyObject*, OpInfo> ops_;

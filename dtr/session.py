@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import types
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,6 +26,14 @@ class _Mode(TorchDispatchMode):
     def __init__(self, runtime: Runtime):
         super().__init__()
         self.runtime = runtime
+        fast = runtime._fast
+        if fast is not None:
+            # The dispatcher looks __torch_dispatch__ up on the mode object: an instance
+            # attribute bound to the mode (it must be the mode's method) whose function
+            # is the fast path's C++ entry saves this class's Python frame per op (it
+            # does what __torch_dispatch__ below does).
+            fast.set_mode_hooks(_eval_frame_callback, _handle_without_dynamo)
+            self.__torch_dispatch__ = types.MethodType(fast.torch_dispatch, self)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -112,6 +121,7 @@ class Session:
         try:
             try:
                 self._mode.__exit__(exc_type, exc, tb)
+                self._mode.__dict__.pop("__torch_dispatch__", None)  # holds the fast path
             finally:
                 try:
                     self._runtime.close()
