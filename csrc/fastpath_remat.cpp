@@ -117,10 +117,17 @@ py::object FastPath::replay(const py::object& rec, const std::vector<int64_t>& s
     if (std::find(in_place.begin(), in_place.end(), k) == in_place.end())
       vals[k] = call(copy_layout_, {vals[k]});
   }
-  // dtr/call.py's substitute(rec.args, rec.kwargs, rec.where, vals)
-  py::list args(get(rec, s_args_));
+  // dtr/call.py's substitute(rec.args, rec.kwargs, rec.where, vals), on copies: the
+  // recipe's own args, kwargs and lists keep None for every tensor, or they would hold
+  // the values of this run after it (pybind11's py::list(x) and py::dict(x) do not copy
+  // a list or a dict, hence PySequence_List and PyDict_Copy).
+  py::object rec_args = get(rec, s_args_);
+  py::list args = py::reinterpret_steal<py::list>(PySequence_List(rec_args.ptr()));
+  if (!args) throw py::error_already_set();
   py::object kw = get(rec, s_kwargs_);
-  py::dict kwargs = kw.is_none() ? py::dict() : py::dict(kw);  // a copy
+  py::dict kwargs =
+      kw.is_none() ? py::dict() : py::reinterpret_steal<py::dict>(PyDict_Copy(kw.ptr()));
+  if (!kwargs) throw py::error_already_set();
   py::object where = get(rec, s_where_);
   for (Py_ssize_t k = 0; k < n; ++k) {
     PyObject* w = PyList_GET_ITEM(where.ptr(), k);
@@ -131,7 +138,13 @@ py::object FastPath::replay(const py::object& rec, const std::vector<int64_t>& s
     if (j < 0) {
       slot = vals[k];
     } else {
-      py::list copy(slot);  // (a fresh list: the recipe's own stays as it was)
+      // a fresh list the first time this argument is filled in (the recipe's own, a
+      // list or a tuple, stays as it was); later items of it go into the same copy
+      py::object own = positional ? py::object(rec_args[key]) : py::object(kw[key]);
+      const bool fresh = slot.ptr() == own.ptr();
+      py::list copy = fresh ? py::reinterpret_steal<py::list>(PySequence_List(slot.ptr()))
+                            : py::reinterpret_borrow<py::list>(slot);
+      if (!copy) throw py::error_already_set();
       copy[j] = vals[k];
       slot = copy;
     }
