@@ -121,8 +121,8 @@ class Session:
         try:
             try:
                 self._mode.__exit__(exc_type, exc, tb)
-                self._mode.__dict__.pop("__torch_dispatch__", None)  # holds the fast path
             finally:
+                self._mode.__dict__.pop("__torch_dispatch__", None)  # holds the fast path
                 try:
                     self._runtime.close()
                 finally:
