@@ -15,10 +15,14 @@ import weakref
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import dtr
 import dtr.runtime
-from bench.harness import mismatches, train
+from bench.common import profiled_peak
+from bench.harness import make_optimizer, mismatches, train
+from bench.models import MODELS as SPECS
+from bench.models import batches, build
 from tests.conftest import HAVE_CPP
 
 pytestmark = pytest.mark.skipif(not HAVE_CPP, reason="the C++ core is not built")
@@ -55,13 +59,6 @@ def test_fast_and_python_paths_evict_alike(name, mode, logged, monkeypatch):
 def _profiled_peak(name: str, dtr_kwargs: dict) -> int:
     """The profiler's peak over three Adam steps under dtr (profiling from before the
     session, so every allocation of the run is known)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from bench.common import profiled_peak
-    from bench.harness import make_optimizer
-    from bench.models import MODELS as SPECS
-    from bench.models import batches, build
-
     model = build(name)
     opt = make_optimizer("adam", model.parameters())
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -92,9 +89,6 @@ def test_fast_and_python_paths_hold_the_same_memory(name, monkeypatch):
 def test_replays_leave_their_recipes_as_recorded():
     # A recipe keeps None for each tensor argument, also in lists (cat, stack), after
     # stress mode has replayed it many times.
-    from bench.models import MODELS as SPECS
-    from bench.models import batches, build
-
     model = build("tree")
     with dtr.enable(stress=True, cost_model="roofline") as session:
         loss = SPECS["tree"].loss(model, batches("tree", 1)[0])
