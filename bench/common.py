@@ -9,7 +9,9 @@ import csv
 import dataclasses
 import os
 import statistics
+import sys
 import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -137,39 +139,70 @@ def state_bytes(model, opt, batch) -> int:
     return total + sum(t.untyped_storage().nbytes() for t in batch)
 
 
-def eager_peak_bytes(name: str, scale: int, optimizer: str = "adam", device: str = "cpu") -> int:
-    """Peak bytes of an eager training step, after one step has created the optimizer
-    state. On the CPU: torch.profiler's allocation events (an independent measure) plus
-    the parameters, gradients and optimizer state that exist before the step. On CUDA: the
-    caching allocator's max_memory_allocated over what was allocated before the model
-    existed (the same things, counted by the allocator)."""
-    spec = MODELS[name]
-    cuda = torch.device(device).type == "cuda"
-    base = 0
-    if cuda:
+@contextlib.contextmanager
+def quiet_stderr():
+    """Kineto prints a line to the process's stderr when a profile starts and stops."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def allocated_base(device: str) -> int:
+    """What a run's CUDA peak is measured over (step_peak_bytes): the bytes allocated
+    before it, the cache emptied first; 0 on the CPU."""
+    if torch.device(device).type != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
+def step_peak_bytes(step: Callable[[], None], model, opt, batch, device: str, base: int = 0) -> int:
+    """Peak bytes over one training step, step(). On the CPU: torch.profiler's allocation
+    events (an independent measure) plus the parameters, optimizer state and batch alive
+    before it. On CUDA: the caching allocator's max_memory_allocated over base
+    (allocated_base, taken before the model existed: the same things, counted by the
+    allocator)."""
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    before = state_bytes(model, opt, batch)
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with quiet_stderr():
+        prof.start()
+    try:
+        step()
+    finally:
+        with quiet_stderr():
+            prof.stop()
+    return before + profiled_peak(prof)
+
+
+def eager_peak_bytes(name: str, scale: int, optimizer: str = "adam", device: str = "cpu") -> int:
+    """Peak bytes of an eager training step (step_peak_bytes), after one step has created
+    the optimizer state."""
+    spec = MODELS[name]
+    base = allocated_base(device)
     model = build(name, scale=scale).to(device)
     opt = make_optimizer(optimizer, model.parameters())
     data = [to_device(b, device) for b in batches(name, 2, scale=scale)]
-    spec.loss(model, data[0]).backward()  # creates optimizer state
-    opt.step()
-    opt.zero_grad()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        spec.loss(model, data[1]).backward()
+
+    def step(batch):
+        spec.loss(model, batch).backward()
         opt.step()
         opt.zero_grad()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    before = state_bytes(model, opt, data[1])
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        spec.loss(model, data[1]).backward()
-        opt.step()
-        opt.zero_grad()
-    return before + profiled_peak(prof)
+
+    step(data[0])  # creates optimizer state
+    return step_peak_bytes(lambda: step(data[1]), model, opt, data[1], device, base)
 
 
 def mib(nbytes: float) -> str:

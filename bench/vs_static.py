@@ -93,18 +93,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import math
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import dtr
@@ -113,10 +112,10 @@ from dtr.plot import step_time_vs_memory
 from .common import (
     BENCH_SCALE,
     RESULTS,
+    allocated_base,
     mib,
     print_table,
-    profiled_peak,
-    state_bytes,
+    step_peak_bytes,
     write_csv,
 )
 from .harness import make_optimizer, to_device
@@ -356,20 +355,6 @@ def _step(loss_fn, batch, opt) -> None:
     opt.zero_grad()
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Kineto prints a line to the process's stderr when a profile starts and stops."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def measure(
     name: str,
     scale: int,
@@ -393,11 +378,7 @@ def measure(
     failure "error: ..."."""
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    base = 0
-    if cuda:
-        sync()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
+    base = allocated_base(device)
     model = build(name, scale=scale).to(device)
     opt = make_optimizer(optimizer, model.parameters())
     data = [to_device(b, device) for b in batches(name, warmup + steps + 1, scale=scale)]
@@ -425,23 +406,9 @@ def measure(
                     cpu.append(elapsed_cpu)
             if session is not None:
                 session.reset_peak()
-            if cuda:
-                sync()
-                torch.cuda.reset_peak_memory_stats()
-                _step(loss_fn, data[-1], opt)
-                sync()
-                out["peak"] = torch.cuda.max_memory_allocated() - base
-            else:
-                before = state_bytes(model, opt, data[-1])
-                prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-                with _quiet_stderr():
-                    prof.start()
-                try:
-                    _step(loss_fn, data[-1], opt)
-                finally:
-                    with _quiet_stderr():
-                        prof.stop()
-                out["peak"] = before + profiled_peak(prof)
+            out["peak"] = step_peak_bytes(
+                functools.partial(_step, loss_fn, data[-1], opt), model, opt, data[-1], device, base
+            )
             if session is not None:
                 out["stats"] = session.stats()
         out["step_s"] = statistics.median(wall if cuda else cpu)
