@@ -4,6 +4,7 @@ its Python twin agreeing, and the paper's numbers reproduced on its own traces."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import json
@@ -146,6 +147,25 @@ def test_infeasible_and_thrash(tmp_path):
     res = sim.simulate(prog, "lru", budget=3 * 100 + 8, thrash=1.5)
     assert res.status == "thrash" and not res.feasible
     assert res.remat_cost > 0.5 * res.baseline
+
+
+def test_peak_belongs_to_its_program(tmp_path):
+    # The peak used to be cached by id(prog): a program made after another was freed can
+    # get its id, and got the dead program's peak with it (CI saw chain6's peak for chain8).
+    small = sim.load(chain_trace(tmp_path, 4))
+    big = sim.load(chain_trace(tmp_path, 12))
+    fields = {f.name: getattr(big, f.name) for f in dataclasses.fields(P.Program)}
+    reused = 0
+    for _ in range(20):
+        first = P.Program(**{**fields, "code": small.code, "nslots": small.nslots})
+        assert sim.peak(first) == sim.peak(small)
+        freed = id(first)
+        del first
+        second = P.Program(**fields)  # most often at the address just freed
+        reused += id(second) == freed
+        assert sim.peak(second) == sim.simulate(big, "dtr", budget=-1).peak_bytes
+    assert reused  # the test exercised what it is about
+    assert sim.peak(big) > sim.peak(small)
 
 
 @pytest.mark.parametrize(

@@ -47,8 +47,6 @@ PROTOTYPE_DIR = os.path.normpath(
     )
 )
 
-_peaks: dict[int, int] = {}
-
 
 def _make_core(heuristic: str, budget: int, seed: int, engine: str, sample: int = 0):
     if heuristic not in HEURISTICS:
@@ -64,11 +62,9 @@ def _make_core(heuristic: str, budget: int, seed: int, engine: str, sample: int 
 
 def peak(prog: program.Program, engine: str = "c++") -> int:
     """Peak resident bytes of an unconstrained replay (what budget ratios are relative to)."""
-    key = id(prog)
-    if key not in _peaks:
-        res = simulate(prog, "dtr", budget=-1, engine=engine)
-        _peaks[key] = res.peak_bytes
-    return _peaks[key]
+    if prog.peak_bytes is None:
+        prog.peak_bytes = simulate(prog, "dtr", budget=-1, engine=engine).peak_bytes
+    return prog.peak_bytes
 
 
 def simulate(

@@ -46,6 +46,9 @@ class Program:
     ops: int  # CALL + MUTATE instructions
     name: str = ""
     meta: dict = dataclasses.field(default_factory=dict)
+    # The unconstrained replay's peak, filled by dtr.sim.peak. Kept on the program (not
+    # in a table keyed by id(), whose keys a later program can reuse once this one dies).
+    peak_bytes: int | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 NAMES = {
