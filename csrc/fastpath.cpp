@@ -79,8 +79,9 @@ py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwa
   PyObject* kw = kwargs.is_none() || PyDict_GET_SIZE(kwargs.ptr()) == 0 ? nullptr : kwargs.ptr();
   Held held(lock_.ptr(), s_acquire_.ptr(), s_release_.ptr());  // `with self.lock:`
   // A closed runtime, or a core the program swapped (tests wrap it): the Python path.
-  if (!PyObject_IsTrue(get(rt_, s_is_open_).ptr()) || get(rt_, s_core_).ptr() != core_obj_.ptr())
-    return fallback(func, args, kwargs);
+  int open = PyObject_IsTrue(get(rt_, s_is_open_).ptr());
+  if (open < 0) throw py::error_already_set();
+  if (!open || get(rt_, s_core_).ptr() != core_obj_.ptr()) return fallback(func, args, kwargs);
   flush();
   if (op.detach) {
     // _detach: a detached managed tensor shares its Ref, even while evicted.
@@ -293,6 +294,13 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
   // ---- Runtime._run
   const size_t n = leaves.size();
   Locks locks(core);
+  // The op raised: the constants registered for it may be gone from the core now.
+  // Mirror that before the program goes on, or a new tensor whose storage lands at a
+  // dead one's address would be taken for it (Runtime._run's `finally`).
+  OnUnwind mirror{[&] {
+    locks.unlock_all();
+    drain();
+  }};
   for (Leaf& leaf : leaves)
     if (!leaf.node) leaf.tid = constant(leaf.arg, locks.fresh);
   py::object size_key;
@@ -550,21 +558,23 @@ int64_t FastPath::constant(PyObject* arg, std::vector<int64_t>& fresh) {
   py::object key = storage_key(arg);
   PyObject* known = PyDict_GetItemWithError(storages_.ptr(), key.ptr());
   if (known != nullptr) {
+    // Read before hook_leaf runs Python, which could drop the borrowed item.
+    int64_t tid = PyLong_AsLongLong(known);
     // Another tensor of a known storage (cuDNN's RNN weights are views of one buffer):
     // gradient hooks are per tensor.
     if (t.requires_grad()) hook_leaf(arg, t);
-    return PyLong_AsLongLong(known);
+    return tid;
   }
   if (PyErr_Occurred()) throw py::error_already_set();
   int64_t nbytes = static_cast<int64_t>(t.storage().nbytes());
   int64_t tid = core_->new_constant(nbytes);
+  fresh.push_back(tid);  // at once: released by the caller's Locks whatever fails below
   py::handle value(arg);
   py::int_ id(tid);
   set_item(nodes_, tid, new_node(id, py::none(), s_constant_, get(value, s_shape_)));
   if (PyDict_SetItem(storages_.ptr(), key.ptr(), id.ptr()) < 0 ||
       PyDict_SetItem(const_keys_.ptr(), id.ptr(), key.ptr()) < 0)
     throw py::error_already_set();
-  fresh.push_back(tid);
   if (t.requires_grad()) hook_leaf(arg, t);
   return tid;
 }

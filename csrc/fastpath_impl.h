@@ -6,6 +6,8 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/extension.h>
 
+#include <exception>
+#include <functional>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -55,6 +57,19 @@ struct Locks {
     try {
       unlock_all();
     } catch (...) {  // an unlock cannot fail on a locked tensor; never throw from here
+    }
+  }
+};
+
+// Runs f when it goes out of scope because an exception is passing (never throws).
+struct OnUnwind {
+  std::function<void()> f;
+  int pending = std::uncaught_exceptions();
+  ~OnUnwind() {
+    if (std::uncaught_exceptions() <= pending) return;
+    try {
+      f();
+    } catch (...) {  // the exception in flight is the one the program should see
     }
   }
 };

@@ -35,6 +35,7 @@ void FastPath::rematerialize(int64_t tid) {
         std::vector<int64_t> stolen = core.steals(rid);
         std::vector<int64_t> nbytes = rerun(rid, stolen);
         core.remat_done(rid, nbytes, stolen);
+        if (!stolen.empty()) set(rt_, s_stealing_, none);  // the core knows: nothing to undo
       }
       finished = true;
     } catch (...) {

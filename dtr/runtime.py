@@ -296,6 +296,11 @@ class Runtime(Driver):
                 core.release(tid)
             for tid in op.held:
                 core.release(tid)
+            if not recorded:
+                # The op raised: the constants it registered may be gone from the core
+                # now. Mirror that before the program goes on, or a new tensor whose
+                # storage lands at a dead one's address would be taken for it.
+                self.drain()
         self._settle(protect, func)
         return result
 
@@ -339,7 +344,13 @@ class Runtime(Driver):
             op.captured = rng.capture(None, device)
             op.extra.append(self._constant(op.captured[1], op.fresh))
         start = _perf()
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except BaseException:
+            for tid in op.fresh:  # the generator state's constant: held by nothing
+                self.core.release(tid)
+            self.drain()
+            raise
         op.cost = _perf() - start
         if self.model_cost or not out.is_cpu:
             op.cost = _cost.roofline(func, args, kwargs, out)
@@ -634,6 +645,9 @@ class Runtime(Driver):
         for node in rec.outputs:
             if node.tid >= 0 and not core.is_materialized(node.tid):
                 node.value = None
+
+    def after_rerun(self) -> None:
+        self._stealing = None  # remat_done told the core: nothing to undo any more
 
     def rerun(self, rid: int, stolen: list[int]) -> list[int]:
         rec = self.recipes[rid]

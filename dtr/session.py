@@ -110,8 +110,15 @@ class Session:
                     "dtr: a session can be entered only once; call dtr.enable() again for a new one"
                 )
             self._runtime = Runtime(self.config)
-            self._mode = _Mode(self._runtime)
-            self._mode.__enter__()
+            try:
+                self._mode = _Mode(self._runtime)
+                self._mode.__enter__()
+            except BaseException:
+                # The runtime and its C++ fast path refer to each other, a cycle the
+                # garbage collector cannot see: only close() breaks it.
+                self._runtime.close()
+                self._runtime = self._mode = None
+                raise
             self._thread = threading.current_thread()
             _active = self
         return self
