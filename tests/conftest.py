@@ -21,6 +21,16 @@ from dtr._core import core_class  # noqa: E402
 # 2.7 s under load). Eager and dtr runs in one comparison share the setting.
 torch.set_num_threads(1)
 
+from dtr import config as _config  # noqa: E402
+from dtr import session as _session  # noqa: E402
+
+# dtr's environment variables of the shell running the tests (a budget, a trace file,
+# the pure-Python core) would change what every test measures; tests set their own.
+# Cleared here as well as per test, for module-level constants and module fixtures.
+DTR_ENV = tuple(getattr(_config, name) for name in dir(_config) if name.startswith("ENV_"))
+for _name in DTR_ENV:
+    os.environ.pop(_name, None)
+
 HAVE_CPP = core_class(False)[1] == "c++"
 CORES = ["c++", "python"] if HAVE_CPP else ["python"]
 
@@ -34,8 +44,14 @@ def core(request, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in ("DTR_MEMORY_BUDGET", "DTR_HEURISTIC", "DTR_STRESS", "DTR_DEBUG", "DTR_COST_MODEL"):
+    for name in DTR_ENV:
         monkeypatch.delenv(name, raising=False)
+    yield
+    # A test that left its session open would fail every later one ("already active").
+    left = _session.current()
+    if left is not None:
+        left.__exit__(None, None, None)
+        pytest.fail("dtr: the test left a dtr.enable() session open")
 
 
 @pytest.fixture

@@ -19,13 +19,23 @@ def test_the_notebooks_are_found():
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs(name):
+def test_notebook_runs(name, monkeypatch):
+    # The kernel is another process: it gets conftest's one intra-op thread through the
+    # environment (OpenMP threads spinning against each other on a small shared machine
+    # made runs many times slower), and the inline backend that draws the figures.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")
+    monkeypatch.delenv("MPLBACKEND", raising=False)
     nb = nbformat.read(os.path.join(FOLDER, name), as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
         f"{name} is stored with outputs; clear them before committing"
     )
     client = nbclient.NotebookClient(
-        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": FOLDER}}
+        nb,
+        timeout=300,
+        startup_timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": FOLDER}},
     )
     client.execute()  # raises CellExecutionError with the failing cell's traceback
     figures = [

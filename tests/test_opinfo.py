@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import random
 import sys
 import time
 import traceback
@@ -368,6 +369,7 @@ def run_variant(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
+        random.seed(0)  # some samples are drawn with Python's random (linalg.eigh's UPLO)
         counted = 0  # samples run that hold some data (empty ones come first for many ops)
         for i, sample in enumerate(op.sample_inputs("cpu", dtype, requires_grad=backward)):
             if not full and counted >= DEFAULT_SAMPLES and not _unproven(outcome, category):

@@ -164,8 +164,9 @@ def test_peak_belongs_to_its_program(tmp_path):
         second = P.Program(**fields)  # most often at the address just freed
         reused += id(second) == freed
         assert sim.peak(second) == sim.simulate(big, "dtr", budget=-1).peak_bytes
-    assert reused  # the test exercised what it is about
     assert sim.peak(big) > sim.peak(small)
+    if not reused:  # an allocator that never hands an address back (PYTHONMALLOC=malloc)
+        pytest.skip("no program was made at a freed one's address: nothing was exercised")
 
 
 @pytest.mark.parametrize(
