@@ -160,9 +160,20 @@ void FastPath::flush() {
     py::object refs = get(rt_, s_pending_);
     if (PyList_GET_SIZE(refs.ptr()) == 0) return;
     set(rt_, s_pending_, py::list());
-    for (py::handle node : refs) {
-      int64_t tid = get(node, s_tid_).cast<int64_t>();
-      if (tid >= 0) core_->release(tid);
+    const Py_ssize_t n = PyList_GET_SIZE(refs.ptr());
+    for (Py_ssize_t k = 0; k < n; ++k) {
+      try {
+        int64_t tid = get(PyList_GET_ITEM(refs.ptr(), k), s_tid_).cast<int64_t>();
+        if (tid >= 0) core_->release(tid);
+      } catch (...) {
+        // The handles after this one stay pending, or their tensors and lineage would
+        // be held for good (Runtime._flush).
+        py::object rest = py::reinterpret_steal<py::object>(PyList_GetSlice(refs.ptr(), k + 1, n));
+        py::object now = get(rt_, s_pending_);
+        if (rest && PyList_SetSlice(now.ptr(), 0, 0, rest.ptr()) == 0) throw;
+        PyErr_Clear();
+        throw;
+      }
     }
     drain();
   }

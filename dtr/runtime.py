@@ -848,11 +848,17 @@ class Runtime(Driver):
         core = self.core
         while self.pending_refs:
             refs, self.pending_refs = self.pending_refs, []
-            for node in refs:
-                if node.tid >= 0:
-                    if self.trace is not None:
-                        self.trace.release(node.label)
-                    core.release(node.tid)
+            for k, node in enumerate(refs):
+                try:
+                    if node.tid >= 0:
+                        if self.trace is not None:
+                            self.trace.release(node.label)
+                        core.release(node.tid)
+                except BaseException:
+                    # (a KeyboardInterrupt): the handles after this one stay pending,
+                    # or their tensors and lineage would be held for good
+                    self.pending_refs[:0] = refs[k + 1 :]
+                    raise
             self.drain()
 
     def _describe(self, tid: int) -> str:

@@ -620,6 +620,31 @@ def test_a_failing_op_leaves_no_stale_constant_behind(core):
         assert torch.equal(y, x.detach() * 2 + q)
 
 
+def test_an_interrupted_flush_keeps_the_other_handles_pending(core):
+    # Handles the program dropped are released at the next op; a KeyboardInterrupt in the
+    # middle of that must not lose the rest (their tensors and lineage would stay held).
+    class Interrupting:
+        @property
+        def tid(self):
+            raise KeyboardInterrupt
+
+    x = torch.randn(8, 8, requires_grad=True)
+    with dtr.enable(check=True) as session:
+        rt = session._runtime
+        held = [x * k for k in range(1, 5)]
+        nodes = [t._dtr_ref.node for t in held]
+        del held
+        pending = list(rt.pending_refs)
+        assert sorted(map(id, pending)) == sorted(map(id, nodes))
+        rt.pending_refs.insert(1, Interrupting())
+        with pytest.raises(KeyboardInterrupt):
+            x * 5
+        assert rt.pending_refs == pending[1:]  # the first one was released
+        y = x * 6  # the next op releases the rest
+        assert not rt.pending_refs and all(n.tid < 0 for n in nodes)
+    assert torch.equal(y, x.detach() * 6)
+
+
 # ====================================================================== threads
 def _run_thread(fn, *args):
     box = {}
