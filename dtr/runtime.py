@@ -17,6 +17,7 @@ import importlib
 import threading
 import time
 import types
+import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -109,7 +110,11 @@ class Runtime(Driver):
         self.escaped: dict[int, Node] = {}  # storage key -> managed node handed out plain
         self.escaped_keys: dict[int, int] = {}  # its tid -> storage key
         self.pending_refs: list[Node] = []  # handles the program dropped
-        self.hooks: list = []
+        self.hooks: list = []  # the session's own hooks, removed at close
+        # Gradient hooks on the leaves ops read, by handle id, each dropped with its leaf:
+        # backward reads short-lived leaf aliases of the parameters (new Python tensors
+        # every step), so a plain list of handles grew by a few every step.
+        self.leaf_hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self.lock = threading.RLock()
         self.is_open = True
         self.recompute_seconds = 0.0
@@ -759,7 +764,9 @@ class Runtime(Driver):
         if getattr(leaf, "_dtr_hooked", None) is self._token:
             return
         leaf._dtr_hooked = self._token
-        self.hooks.append(leaf.register_post_accumulate_grad_hook(self._grad_ready))
+        handle = leaf.register_post_accumulate_grad_hook(self._grad_ready)
+        self.leaf_hooks[handle.id] = handle
+        weakref.finalize(leaf, self.leaf_hooks.pop, handle.id, None)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         # Optimizers (foreach and fused paths included) see plain gradients.
@@ -898,9 +905,10 @@ class Runtime(Driver):
                 self.is_open = False
                 if self.trace is not None:
                     self.trace.close()
-                for handle in self.hooks:
+                for handle in [*self.hooks, *self.leaf_hooks.values()]:
                     handle.remove()
                 self.hooks.clear()
+                self.leaf_hooks.clear()
                 self.storages.clear()
                 self.const_keys.clear()
                 self.escaped.clear()

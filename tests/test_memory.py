@@ -83,10 +83,12 @@ def test_no_growth_over_200_steps(core):
             stats = session.stats()
             resident.append(stats.resident_bytes)
             rt = session._runtime
-            counts.append((*rt.core.counts(), len(rt.storages), len(rt.escaped)))
+            mirror = (len(rt.storages), len(rt.escaped), len(rt.leaf_hooks))
+            counts.append((*rt.core.counts(), *mirror))
     assert stats.evictions > 0
     assert max(resident[100:]) <= max(resident[:10])
-    for k in range(5):  # tensors, pools, recipes, constants, handed-out values
+    # tensors, pools, recipes, constants, handed-out values, gradient hooks
+    for k in range(6):
         assert max(c[k] for c in counts[100:]) <= max(c[k] for c in counts[:10]), k
 
 
