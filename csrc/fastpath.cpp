@@ -573,7 +573,7 @@ int64_t FastPath::constant(PyObject* arg, std::vector<int64_t>& fresh) {
     int64_t tid = PyLong_AsLongLong(known);
     // Another tensor of a known storage (cuDNN's RNN weights are views of one buffer):
     // gradient hooks are per tensor.
-    if (t.requires_grad()) hook_leaf(arg, t);
+    if (t.requires_grad() && at::GradMode::is_enabled()) hook_leaf(arg, t);
     return tid;
   }
   if (PyErr_Occurred()) throw py::error_already_set();
@@ -586,7 +586,7 @@ int64_t FastPath::constant(PyObject* arg, std::vector<int64_t>& fresh) {
   if (PyDict_SetItem(storages_.ptr(), key.ptr(), id.ptr()) < 0 ||
       PyDict_SetItem(const_keys_.ptr(), id.ptr(), key.ptr()) < 0)
     throw py::error_already_set();
-  if (t.requires_grad()) hook_leaf(arg, t);
+  if (t.requires_grad() && at::GradMode::is_enabled()) hook_leaf(arg, t);
   return tid;
 }
 

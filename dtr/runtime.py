@@ -743,7 +743,11 @@ class Runtime(Driver):
         if tid is not None:
             # Another tensor of a known storage (cuDNN's RNN weights are views of one
             # buffer): gradient hooks are per tensor.
-            if t.requires_grad and getattr(t, "_dtr_hooked", None) is not self._token:
+            if (
+                t.requires_grad
+                and torch.is_grad_enabled()
+                and getattr(t, "_dtr_hooked", None) is not self._token
+            ):
                 self._hook_leaf(t)
             return tid
         tid = self.core.new_constant(storage.nbytes())
@@ -753,11 +757,15 @@ class Runtime(Driver):
         fresh.append(tid)
         if self.trace is not None:
             self.trace.constant(self.nodes[tid].label, storage.nbytes())
-        if t.requires_grad:
+        if t.requires_grad and torch.is_grad_enabled():
             self._hook_leaf(t)
         return tid
 
     def _hook_leaf(self, t: torch.Tensor) -> None:
+        """Hook the leaf t is (or views) so that a managed gradient accumulated into its
+        .grad is handed out plain. Called only for reads under grad mode: a read without
+        it (backward, which also reads new leaf aliases of the parameters every step;
+        no_grad code) builds no graph that could accumulate into the leaf."""
         leaf = t if t.is_leaf else t._base
         if leaf is None or not leaf.is_leaf or not leaf.requires_grad:
             return
