@@ -17,7 +17,6 @@ import importlib
 import threading
 import time
 import types
-import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -111,10 +110,13 @@ class Runtime(Driver):
         self.escaped_keys: dict[int, int] = {}  # its tid -> storage key
         self.pending_refs: list[Node] = []  # handles the program dropped
         self.hooks: list = []  # the session's own hooks, removed at close
-        # Gradient hooks on the leaves ops read, by handle id, each dropped with its leaf:
-        # backward reads short-lived leaf aliases of the parameters (new Python tensors
-        # every step), so a plain list of handles grew by a few every step.
-        self.leaf_hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        # Gradient hooks on the leaves ops read under grad mode. A program can make new
+        # leaves every step (inputs that require grad): the handles of dead ones (whose
+        # hooks dict died with them) are dropped whenever the list doubles. No weak
+        # reference to the leaf itself: torch.utils.swap_tensors refuses tensors that
+        # have one.
+        self.leaf_hooks: list = []
+        self._prune_hooks_at = 64
         self.lock = threading.RLock()
         self.is_open = True
         self.recompute_seconds = 0.0
@@ -772,9 +774,11 @@ class Runtime(Driver):
         if getattr(leaf, "_dtr_hooked", None) is self._token:
             return
         leaf._dtr_hooked = self._token
-        handle = leaf.register_post_accumulate_grad_hook(self._grad_ready)
-        self.leaf_hooks[handle.id] = handle
-        weakref.finalize(leaf, self.leaf_hooks.pop, handle.id, None)
+        hooks = self.leaf_hooks
+        hooks.append(leaf.register_post_accumulate_grad_hook(self._grad_ready))
+        if len(hooks) >= self._prune_hooks_at:
+            hooks[:] = [h for h in hooks if h.hooks_dict_ref() is not None]
+            self._prune_hooks_at = max(64, 2 * len(hooks))
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         # Optimizers (foreach and fused paths included) see plain gradients.
@@ -913,7 +917,7 @@ class Runtime(Driver):
                 self.is_open = False
                 if self.trace is not None:
                     self.trace.close()
-                for handle in [*self.hooks, *self.leaf_hooks.values()]:
+                for handle in [*self.hooks, *self.leaf_hooks]:
                     handle.remove()
                 self.hooks.clear()
                 self.leaf_hooks.clear()

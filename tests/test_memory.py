@@ -3,6 +3,8 @@ that cannot, and no growth over many steps."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -90,6 +92,33 @@ def test_no_growth_over_200_steps(core):
     # tensors, pools, recipes, constants, handed-out values, gradient hooks
     for k in range(6):
         assert max(c[k] for c in counts[100:]) <= max(c[k] for c in counts[:10]), k
+
+
+def test_gradient_hooks_of_dead_leaves_are_forgotten(core):
+    # A leaf that requires grad made every step (an adversarial perturbation, a learned
+    # input): the hooks dtr puts on leaves must not pile up over a long block.
+    w = torch.randn(16, 16, requires_grad=True)
+    with dtr.enable(budget="64KiB", cost_model="roofline") as session:
+        rt = session._runtime
+        sizes = []
+        for _ in range(500):
+            delta = torch.zeros(8, 16, requires_grad=True)
+            (torch.ones(8, 16) + delta).mm(w).tanh().sum().backward()
+            sizes.append(len(rt.leaf_hooks))
+    assert max(sizes[100:]) <= 130, max(sizes)
+    assert w.grad is not None and type(w.grad) is torch.Tensor
+
+
+def test_parameters_keep_no_trace_of_a_session(core):
+    # No weak reference left on a parameter: torch.utils.swap_tensors (load_state_dict
+    # and .to() with swap_module_params_on_conversion) refuses tensors that have one.
+    model = nn.Linear(4, 4)
+    for _ in range(2):
+        with dtr.enable():
+            model(torch.randn(2, 4)).sum().backward()
+            assert weakref.getweakrefcount(model.weight) == 0
+    torch.utils.swap_tensors(model.weight, nn.Parameter(torch.zeros(4, 4)))
+    assert torch.equal(model.weight, torch.zeros(4, 4))
 
 
 def test_infeasible_budget_fails_fast_with_the_numbers(core, logged):
