@@ -210,7 +210,8 @@ void FastPath::drain() {
     }
     py::int_ tid(t);
     py::object key = dict_pop(const_keys_.ptr(), tid.ptr());
-    if (!key.is_none() && PyDict_DelItem(storages_.ptr(), key.ptr()) < 0)
+    if (!key.is_none() && (PyDict_DelItem(storages_.ptr(), key.ptr()) < 0 ||
+                           PyDict_DelItem(const_storages_.ptr(), tid.ptr()) < 0))
       throw py::error_already_set();
     key = dict_pop(escaped_keys_.ptr(), tid.ptr());
     if (!key.is_none()) {
@@ -583,8 +584,11 @@ int64_t FastPath::constant(PyObject* arg, std::vector<int64_t>& fresh) {
   py::handle value(arg);
   py::int_ id(tid);
   set_item(nodes_, tid, new_node(id, py::none(), s_constant_, get(value, s_shape_)));
-  if (PyDict_SetItem(storages_.ptr(), key.ptr(), id.ptr()) < 0 ||
-      PyDict_SetItem(const_keys_.ptr(), id.ptr(), key.ptr()) < 0)
+  // Runtime.const_storages: the storage, kept alive while the constant lives
+  py::object storage = py::reinterpret_steal<py::object>(torch::createPyObject(t.storage()));
+  if (!storage || PyDict_SetItem(storages_.ptr(), key.ptr(), id.ptr()) < 0 ||
+      PyDict_SetItem(const_keys_.ptr(), id.ptr(), key.ptr()) < 0 ||
+      PyDict_SetItem(const_storages_.ptr(), id.ptr(), storage.ptr()) < 0)
     throw py::error_already_set();
   if (t.requires_grad() && at::GradMode::is_enabled()) hook_leaf(arg, t);
   return tid;
@@ -677,12 +681,14 @@ py::object FastPath::new_recipe(const OpInfo& op, const py::object& args, const 
   set(rec, s_rng_, py::none());
   set(rec, s_grad_, grad);
   set(rec, s_outputs_, py::list());
-  // versions: (leaf, version) of each plain tensor it reads, as Recipe.__init__ says
+  // versions: (leaf, version or -1, storage key) of each plain tensor it reads, as
+  // Recipe.__init__ says
   py::list versions;
   for (size_t k = 0; k < leaves.size(); ++k) {
     if (leaves[k].node) continue;
     const at::Tensor& t = THPVariable_Unpack(leaves[k].value.ptr());
-    if (!t.is_inference()) versions.append(py::make_tuple(k, t._version()));
+    int64_t version = t.is_inference() ? -1 : static_cast<int64_t>(t._version());
+    versions.append(py::make_tuple(k, version, storage_key(leaves[k].value.ptr())));
   }
   set(rec, s_versions_, py::tuple(versions));
   return rec;

@@ -107,6 +107,7 @@ class FastPath {
     capture_ = types.attr("capture");
     recipe_freed_ = types.attr("recipe_freed");
     recipe_written_ = types.attr("recipe_written");
+    recipe_replaced_ = types.attr("recipe_replaced");
     stand_in_type_ = types.attr("StandIn");
     copy_layout_ = types.attr("copy_preserving_layout");
     serials_ = types.attr("serials");
@@ -115,6 +116,7 @@ class FastPath {
     nodes_ = rt_.attr("nodes");
     storages_ = rt_.attr("storages");
     const_keys_ = rt_.attr("const_keys");
+    const_storages_ = rt_.attr("const_storages");
     escaped_ = rt_.attr("escaped");
     escaped_keys_ = rt_.attr("escaped_keys");
     sizes_ = rt_.attr("sizes");
@@ -189,8 +191,10 @@ class FastPath {
 
   py::object rt_, ckpt_type_, node_type_, ref_type_, recipe_type_, oom_type_, roofline_;
   py::object make_wrapper_, set_conj_, set_neg_, object_new_, wrapper_kwnames_, capture_;
-  py::object recipe_freed_, recipe_written_, stand_in_type_, copy_layout_, serials_;
-  py::object nodes_, storages_, const_keys_, escaped_, escaped_keys_, sizes_, lock_;
+  py::object recipe_freed_, recipe_written_, recipe_replaced_, stand_in_type_, copy_layout_,
+      serials_;
+  py::object nodes_, storages_, const_keys_, const_storages_, escaped_, escaped_keys_, sizes_,
+      lock_;
   py::object core_obj_;
   py::object frame_callback_, without_dynamo_;  // dtr/session.py's, for torch_dispatch
   Core* core_;

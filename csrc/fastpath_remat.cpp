@@ -103,10 +103,15 @@ py::object FastPath::replay(const py::object& rec, const std::vector<int64_t>& s
       vals[k] = get(x, s_value_);
     }
   }
-  for (py::handle pair : get(rec, s_versions_)) {
-    Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair.ptr(), 0));
-    int64_t version = PyLong_AsLongLong(PyTuple_GET_ITEM(pair.ptr(), 1));
-    if (THPVariable_Unpack(vals[k].ptr())._version() != version)  // written behind dtr
+  for (py::handle entry : get(rec, s_versions_)) {
+    Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry.ptr(), 0));
+    int64_t version = PyLong_AsLongLong(PyTuple_GET_ITEM(entry.ptr(), 1));
+    void* key = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry.ptr(), 2));
+    if (PyErr_Occurred()) throw py::error_already_set();
+    const at::Tensor& t = THPVariable_Unpack(vals[k].ptr());
+    if (t.storage().unsafeGetStorageImpl() != key)  // swapped in with no op (`p.data =`)
+      throw_from(recipe_replaced_, get(rec, s_facts_).attr("name"), vals[k]);
+    if (version >= 0 && t._version() != version)  // written behind dtr
       throw_from(recipe_written_, get(rec, s_facts_).attr("name"), vals[k]);
   }
   py::object specs = get(rec, s_specs_);

@@ -61,13 +61,17 @@ class Recipe:
         self.rng = captured
         self.grad = grad  # some kernels behave differently with grad mode on (mkldnn RNNs)
         self.outputs: list[Node] = []  # aligned with the core's outputs of this recipe
-        # The version of each plain tensor it reads: every write dtr sees to one of them
-        # pins what depends on it first (Invariant 4), so a changed version at replay is
-        # a write dtr could not see (another thread; code outside any dispatch).
+        # (leaf, version or -1 for an inference tensor, storage key) of each plain tensor
+        # it reads. Every write dtr sees to one of them pins what depends on it first
+        # (Invariant 4), so a changed version at replay is a write dtr could not see
+        # (another thread; code outside any dispatch), and another storage is one
+        # swapped in with no op at all (`p.data = ...`, Module.to/half on old PyTorch
+        # semantics). The runtime keeps each constant's storage alive, so a key is not
+        # reused while a recipe holds it.
         self.versions = tuple(
-            (k, x._version)
+            (k, -1 if x.is_inference() else x._version, x.untyped_storage()._cdata)
             for k, x in enumerate(inputs)
-            if isinstance(x, torch.Tensor) and not x.is_inference()  # a Node is not one
+            if isinstance(x, torch.Tensor)  # a Node is not one
         )
 
     def replay(self, stolen=(), on_oom=None) -> list[torch.Tensor]:
@@ -84,9 +88,12 @@ class Recipe:
         for x in self.inputs:
             if isinstance(x, torch.Tensor) and x.numel() and not x.untyped_storage().nbytes():
                 raise freed_error(self.facts.name, x)
-        for k, version in self.versions:
-            if self.inputs[k]._version != version:
-                raise written_error(self.facts.name, self.inputs[k])
+        for k, version, key in self.versions:
+            x = self.inputs[k]
+            if x.untyped_storage()._cdata != key:
+                raise replaced_error(self.facts.name, x)
+            if version >= 0 and x._version != version:
+                raise written_error(self.facts.name, x)
         in_place = {self.specs[k][1] for k in stolen}
         for k in self.clone:
             if k not in in_place:
@@ -121,6 +128,17 @@ def freed_error(name: str, t: torch.Tensor) -> UnsupportedError:
         "FSDP2's fully_shard does to unsharded parameters). Keep such code out of "
         "dtr.enable(), or run without a budget; see dtr/NOTES.md, 'Composing with DDP "
         "and FSDP'"
+    )
+
+
+def replaced_error(name: str, t: torch.Tensor) -> UnsupportedError:
+    return UnsupportedError(
+        f"dtr: cannot recompute {name}: it reads a plain tensor of shape {list(t.shape)} "
+        "whose storage has since been replaced without any op dtr could see (`p.data = "
+        "...`, or Module.half()/.to() converting parameters that way), so recomputing "
+        "would use the new value where the program used the old one. Update tensors in "
+        "place instead (`with torch.no_grad(): p.copy_(new)` or `p.sub_(...)`), or "
+        "convert the model before dtr.enable()"
     )
 
 

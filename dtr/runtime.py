@@ -106,6 +106,11 @@ class Runtime(Driver):
         self.recipes: list[Recipe | None] = []
         self.storages: dict[int, int] = {}  # storage key -> constant tid
         self.const_keys: dict[int, int] = {}  # constant tid -> storage key
+        # constant tid -> its storage, kept while the constant lives: a recipe checks at
+        # replay that each plain tensor it reads still has the storage it had (`p.data =`
+        # swaps a tensor's storage with no op and no new version), and a key is an
+        # address, which a storage made later could take if this one were freed.
+        self.const_storages: dict[int, torch.UntypedStorage] = {}
         self.escaped: dict[int, Node] = {}  # storage key -> managed node handed out plain
         self.escaped_keys: dict[int, int] = {}  # its tid -> storage key
         self.pending_refs: list[Node] = []  # handles the program dropped
@@ -756,6 +761,7 @@ class Runtime(Driver):
         self._set_node(tid, Node(tid, None, "constant", t.shape))
         self.storages[key] = tid
         self.const_keys[tid] = key
+        self.const_storages[tid] = storage
         fresh.append(tid)
         if self.trace is not None:
             self.trace.constant(self.nodes[tid].label, storage.nbytes())
@@ -855,6 +861,7 @@ class Runtime(Driver):
             key = self.const_keys.pop(t, None)
             if key is not None:
                 del self.storages[key]
+                del self.const_storages[t]
             key = self.escaped_keys.pop(t, None)
             if key is not None and self.escaped.get(key) is node:
                 del self.escaped[key]
@@ -923,6 +930,7 @@ class Runtime(Driver):
                 self.leaf_hooks.clear()
                 self.storages.clear()
                 self.const_keys.clear()
+                self.const_storages.clear()
                 self.escaped.clear()
                 self.escaped_keys.clear()
                 self.pending_refs.clear()
@@ -1038,6 +1046,7 @@ _FAST_TYPES = types.SimpleNamespace(
     capture=rng.capture,
     recipe_freed=_recipe.freed_error,
     recipe_written=_recipe.written_error,
+    recipe_replaced=_recipe.replaced_error,
     StandIn=StandIn,
     copy_preserving_layout=copy_preserving_layout,
 )

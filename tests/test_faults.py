@@ -855,3 +855,49 @@ def test_parameter_written_on_another_thread_during_a_step(core):
     # notices the parameter's version changed and refuses rather than use the new value
     with pytest.raises(dtr.UnsupportedError, match="written in place where dtr could not"):
         run(True)
+
+
+@pytest.mark.parametrize("replace", ["data", "half"])
+def test_storage_swapped_in_without_an_op_is_refused(core, replace):
+    # `p.data = ...` (and Module.half(), which converts parameters that way) gives a
+    # tensor another storage with no op and no new version: recomputing would read the
+    # new values where the program read the old ones. dtr refuses, with what to do.
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 2, 3)
+    x = torch.randn(1, 2, 5, 5)
+    with pytest.raises(dtr.UnsupportedError, match="storage has since been replaced") as info:
+        with dtr.enable(stress=True):
+            y = conv(x)  # evicted at once: its value must be recomputed to be read
+            if replace == "data":
+                conv.weight.data = conv.weight.data * 0.5
+            else:
+                conv.half()
+            y.sum().item()
+    assert "in place" in str(info.value)
+
+
+def test_parameters_updated_through_data_in_place_recompute_correctly(core):
+    # The supported spelling of a manual update: in place, through .data or no_grad.
+    def run(use_dtr: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        x = torch.randn(32, 8)
+        kept = []
+        with dtr.enable(stress=True) if use_dtr else _nothing():
+            for step in range(3):
+                out = model(x)
+                kept.append(out.detach())  # read again at the end, after the updates
+                out.square().mean().backward()
+                for p in model.parameters():
+                    if step % 2:
+                        p.data.sub_(0.1 * p.grad)
+                    else:
+                        with torch.no_grad():
+                            p.sub_(0.1 * p.grad)
+                    p.grad = None
+            result = torch.cat(kept)
+            return torch.cat(
+                [result.flatten(), *[p.detach().flatten() for p in model.parameters()]]
+            )
+
+    assert torch.equal(run(True), run(False))
