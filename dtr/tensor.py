@@ -101,6 +101,11 @@ class CheckpointTensor(torch.Tensor):
         return _plain(self).tolist()
 
     def numpy(self, *, force: bool = False):
+        if self.requires_grad and not force:  # the plain value does not require grad
+            raise RuntimeError(
+                "Can't call numpy() on Tensor that requires grad. "
+                "Use tensor.detach().numpy() instead."
+            )
         return _plain(self).numpy(force=force)
 
     def __repr__(self, *, tensor_contents=None):

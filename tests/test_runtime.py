@@ -168,7 +168,10 @@ def test_python_level_methods_inside_the_block(core):
         t = (x * 2).reshape(2, 3)
         assert isinstance(t, dtr.CheckpointTensor)
         assert t.tolist() == [[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]]
-        assert (t.numpy() == [[0, 2, 4], [6, 8, 10]]).all()
+        with pytest.raises(RuntimeError, match="requires grad"):  # as eager
+            t.numpy()
+        assert (t.detach().numpy() == [[0, 2, 4], [6, 8, 10]]).all()
+        assert (t.numpy(force=True) == [[0, 2, 4], [6, 8, 10]]).all()
         assert repr(t).startswith("tensor([[ 0.,  2.,  4.],")
         assert "grad_fn=<ViewBackward0>" in repr(t)
         assert f"{t.sum():.1f}" == "30.0"
