@@ -228,7 +228,9 @@ class Runtime(Driver):
                 if writes and facts.view_inplace is None:  # t_() and kin change no data
                     self._writes_to_plain(call, writes)
                     return func(*args, **kwargs)
-                if facts.view or not _wants_management(call):
+                # meta-only ops (zeros_like(p)...) make values no gradient flows from:
+                # optimizer state made outside no_grad (Adagrad's) stays plain
+                if facts.view or facts.meta_only or not _wants_management(call):
                     return func(*args, **kwargs)
             elif facts.meta_only:
                 return self._run_meta_only(func, facts, call)

@@ -11,6 +11,7 @@ tensors) and of bookkeeping that no device changes run on CPU only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
@@ -258,6 +259,31 @@ def test_optimizers_see_plain_grads(make_opt, device, core):
     for per_param in state["state"].values():
         for v in per_param.values():
             assert not isinstance(v, dtr.CheckpointTensor)
+
+
+@pytest.mark.parametrize("name", ["Adagrad", "Adam", "RMSprop"])
+def test_optimizer_made_inside_the_block_keeps_plain_state(name, core):
+    # Adagrad fills its state in __init__ with full_like(p) outside no_grad: a value no
+    # gradient flows from, which stays plain (it was managed, counted in the budget).
+    def train(use_dtr):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        with (
+            dtr.enable(budget="4KiB", cost_model="roofline")
+            if use_dtr
+            else contextlib.nullcontext()
+        ):
+            opt = getattr(torch.optim, name)(model.parameters(), lr=1e-2)
+            for _ in range(3):
+                model(torch.randn(5, 8)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        states = [v for per in opt.state.values() for v in per.values()]
+        assert all(type(v) is torch.Tensor for v in states if isinstance(v, torch.Tensor))
+        return [p.detach().clone() for p in model.parameters()]
+
+    for e, g in zip(train(False), train(True)):
+        assert torch.equal(g, e)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
