@@ -65,9 +65,9 @@ class Recipe:
         # it reads. Every write dtr sees to one of them pins what depends on it first
         # (Invariant 4), so a changed version at replay is a write dtr could not see
         # (another thread; code outside any dispatch), and another storage is one
-        # swapped in with no op at all (`p.data = ...`, Module.to/half on old PyTorch
-        # semantics). The runtime keeps each constant's storage alive, so a key is not
-        # reused while a recipe holds it.
+        # swapped in with no op at all (`p.data = ...`, Module.half()). The runtime
+        # keeps each constant's storage alive, so a key is not reused while a recipe
+        # holds it.
         self.versions = tuple(
             (k, -1 if x.is_inference() else x._version, x.untyped_storage()._cdata)
             for k, x in enumerate(inputs)
