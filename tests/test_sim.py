@@ -214,6 +214,7 @@ def test_live_run_and_its_replay_evict_alike(name, tmp_path, logged, core):
     for engine in ENGINES:
         res = sim.simulate(prog, "dtr", budget=budget, engine=engine, log=True, thrash=0)
         assert res.status == "ok"
+        assert res.budget_bytes == budget  # not the lifted budget of the block's end
         assert res.eviction_log == live_log
         assert (res.evictions, res.remats) == (live.stats.evictions, live.stats.remats)
 

@@ -109,11 +109,11 @@ def simulate(
 
 
 def _cpp_replay(prog, core, stress, thrash, log) -> Result:
-    start = time.perf_counter()
+    start, budget = time.perf_counter(), core.budget
     status = core.replay(
         prog.code, prog.costs, prog.nslots, prog.mode, stress, thrash, prog.baseline, log
     )
-    return Result.of(core, prog, status, time.perf_counter() - start, log)
+    return Result.of(core, prog, status, time.perf_counter() - start, log, budget)
 
 
 def sweep(

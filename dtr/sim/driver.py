@@ -44,11 +44,15 @@ class Result:
         return (self.baseline + self.remat_cost) / self.baseline if self.baseline else 1.0
 
     @classmethod
-    def of(cls, core, prog: P.Program, status: str, seconds: float, log: bool) -> Result:
-        """The result of a replay that left core in its final state."""
+    def of(
+        cls, core, prog: P.Program, status: str, seconds: float, log: bool, budget: int
+    ) -> Result:
+        """The result of a replay that left core in its final state; budget: the one it
+        ran under (a replay that reaches the end lifts the core's, as the runtime does
+        when its block ends)."""
         return cls(
             status=status,
-            budget_bytes=core.budget,
+            budget_bytes=budget,
             peak_bytes=core.max_bytes,
             evictions=core.evictions,
             remats=core.remats,
@@ -282,6 +286,6 @@ def replay(
     """Replay prog on core (a fresh Core or PyCore with its heuristic and budget set)."""
     if log:
         core.log_evictions(True)
-    start = time.perf_counter()
+    start, budget = time.perf_counter(), core.budget
     status = Replay(prog, core, stress, thrash).run()
-    return Result.of(core, prog, status, time.perf_counter() - start, log)
+    return Result.of(core, prog, status, time.perf_counter() - start, log, budget)
