@@ -9,7 +9,8 @@ Instructions shared with the prototype:
 
 - ``{"INSTRUCTION":"ANNOTATE","ANNOTATION":"START"|"BACKWARD"}``: start of the trace;
   first op of a backward pass. Our START line also carries ``"DTR":"1"`` and the settings
-  of the run (``HEURISTIC``, ``BUDGET``, ``COST_MODEL``, ``STRESS``).
+  of the run (``HEURISTIC``, ``BUDGET``, ``COST_MODEL``, ``STRESS``, ``SEARCH_SAMPLE``,
+  ``SEED``, ``MIN_EVICT_BYTES``), which a replay uses unless told otherwise.
 - ``CONSTANT`` x, then ``MEMORY`` x bytes: a plain tensor an op reads (parameter, input,
   RNG state, snapshot of an argument written in place). It starts with one handle.
 - ``CALL``: ``NAME`` the op, ``ARGS`` the tensors its recipe reads, ``RESULT`` the new
@@ -66,6 +67,8 @@ class TraceWriter:
             COST_MODEL=config.cost_model,
             STRESS="1" if config.stress else "0",
             SEARCH_SAMPLE=str(config.search_sample),
+            SEED=str(config.seed),
+            MIN_EVICT_BYTES=str(config.min_evict_bytes),
         )
 
     def _write(self, **fields) -> None:

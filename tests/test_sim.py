@@ -241,6 +241,27 @@ def test_sampled_victim_search_live_and_replayed_alike(tmp_path, logged, core):
     assert res.eviction_log == exact_log
 
 
+@pytest.mark.parametrize(
+    "setting", [{"heuristic": "random", "seed": 3}, {"min_evict_bytes": 33_000}], ids=str
+)
+def test_recorded_settings_replay_as_live(setting, tmp_path, logged, core):
+    # The random heuristic's seed and min_evict_bytes change decisions: the trace carries
+    # them, and a replay told nothing else uses them.
+    budget = int(_peak("transformer") * 0.5)
+    kwargs = {"budget": budget, "cost_model": "roofline"}
+    train("transformer", dtr_kwargs={**kwargs, "heuristic": setting.get("heuristic", "dtr")})
+    plain_log = logged[-1].eviction_log()
+    path = str(tmp_path / "set.jsonl")
+    live = train("transformer", dtr_kwargs={**kwargs, **setting, "trace": path})
+    live_log = logged[-1].eviction_log()
+    assert live_log != plain_log and live.stats.evictions > 0
+    prog = sim.load(path)
+    heuristic = setting.get("heuristic", "dtr")
+    for engine in ENGINES:
+        res = sim.simulate(prog, heuristic, budget=budget, engine=engine, log=True, thrash=0)
+        assert res.eviction_log == live_log
+
+
 def test_deterministic_cost_model_repeats_decisions(logged):
     budget = int(_peak("transformer") * 0.3)
     kwargs = {"budget": budget, "cost_model": "roofline"}

@@ -48,14 +48,16 @@ PROTOTYPE_DIR = os.path.normpath(
 )
 
 
-def _make_core(heuristic: str, budget: int, seed: int, engine: str, sample: int = 0):
+def _make_core(
+    heuristic: str, budget: int, seed: int, engine: str, sample: int = 0, min_evict: int = 0
+):
     if heuristic not in HEURISTICS:
         raise ConfigError(f"dtr: unknown heuristic {heuristic!r}; valid: {', '.join(HEURISTICS)}")
     if engine == "python":
-        core = PyCore(heuristic, budget, seed)
+        core = PyCore(heuristic, budget, seed, min_evict)
     else:
         cls, kind = core_class(False)
-        core = cls(heuristic, budget, seed)
+        core = cls(heuristic, budget, seed, min_evict)
     core.search_sample = sample
     return core
 
@@ -74,10 +76,11 @@ def simulate(
     ratio: float | None = None,
     stress: bool = False,
     thrash: float = 2.0,
-    seed: int = 0,
+    seed: int | None = None,
     engine: str = "c++",
     log: bool = False,
     sample: int | None = None,
+    min_evict_bytes: int | None = None,
 ) -> Result:
     """Replay prog under heuristic with a budget in bytes, or ratio x the unconstrained
     peak (budget=-1 or neither: unlimited). engine: "c++" (the compiled replay loop
@@ -85,12 +88,15 @@ def simulate(
     "python+c++core" (the Python driver on the C++ core). sample: the runtime's
     search_sample option (the best of `sample` random candidates when more are
     evictable; 0: exact search); None takes the value the trace was recorded with, or 0
-    (exact, as the paper's simulator) for the prototype's traces."""
+    (exact, as the paper's simulator) for the prototype's traces. seed (the random
+    heuristic's) and min_evict_bytes (pools smaller are never victims): None takes the
+    trace's, or 0."""
     if sample is None:
-        raw = prog.meta.get("SEARCH_SAMPLE", "0")
-        if not str(raw).isdigit():
-            raise TraceError(f"dtr: {prog.name}: SEARCH_SAMPLE {raw!r} in START is not an int")
-        sample = int(raw)
+        sample = _recorded(prog, "SEARCH_SAMPLE")
+    if seed is None:
+        seed = _recorded(prog, "SEED")
+    if min_evict_bytes is None:
+        min_evict_bytes = _recorded(prog, "MIN_EVICT_BYTES")
     if ratio is not None:
         if budget is not None:
             raise ConfigError("dtr: give a budget or a ratio, not both")
@@ -99,13 +105,23 @@ def simulate(
         budget = int(peak(prog, "python" if engine == "python" else "c++") * ratio)
     if budget is None:
         budget = -1
-    core = _make_core(heuristic, budget, seed, "python" if engine == "python" else "c++", sample)
+    core = _make_core(
+        heuristic, budget, seed, "python" if engine == "python" else "c++", sample, min_evict_bytes
+    )
     # The prototype's traces replay on the paper's staleness clock (dtr/NOTES.md, "Two
     # replay semantics"); ours on the live runtime's, so a replay decides as the run did.
     core.request_stamps = prog.mode == program.PROTOTYPE
     if engine == "c++" and hasattr(type(core), "replay"):
         return _cpp_replay(prog, core, stress, thrash, log)
     return replay(prog, core, stress, thrash, log)
+
+
+def _recorded(prog: program.Program, name: str) -> int:
+    """A setting the live run recorded in START (0 if the trace has none)."""
+    raw = prog.meta.get(name, "0")
+    if not str(raw).isdigit():
+        raise TraceError(f"dtr: {prog.name}: {name} {raw!r} in START is not an int")
+    return int(raw)
 
 
 def _cpp_replay(prog, core, stress, thrash, log) -> Result:
