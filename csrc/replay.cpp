@@ -24,6 +24,7 @@ enum Op : int64_t {
   kBackward = 10,
   kEnd = 11,
   kReserve = 12,
+  kBudget = 13,
 };
 
 struct Stop {
@@ -117,6 +118,11 @@ class Replayer {
           pc += 2;
           break;
         }
+        case kBudget:
+          // session.set_budget() in the live run (-1: unlimited), from the next op on
+          core_.budget = code[pc + 1];
+          pc += 2;
+          break;
         case kBackward:
           pc += 1;
           break;

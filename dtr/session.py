@@ -216,6 +216,8 @@ class Session:
         with rt.lock:
             rt.config = DTRConfig(**{**rt.config.__dict__, "budget_bytes": nbytes})
             rt.core.budget = -1 if nbytes is None else nbytes
+            if rt.trace is not None:
+                rt.trace.budget(nbytes)
 
 
 def current() -> Session | None:

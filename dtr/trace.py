@@ -37,6 +37,9 @@ Extensions (only in traces dtr writes):
 - ``EXPORT`` x: x was handed out as a plain tensor (a gradient to ``.grad``): read, then
   pinned.
 - ``ANNOTATE`` ``END``: the block ended; what the program still holds is materialized.
+- ``ANNOTATE`` ``BUDGET`` n: ``session.set_budget()`` changed the budget to n bytes (-1:
+  none) from the next op on. A replay at the trace's own budget follows it; a replay at
+  another budget (a what-if, a sweep) keeps its own throughout.
 
 A live run differs from the prototype's in when it evicts (after each op, its outputs
 protected, rather than before it) and in how in-place updates work; the ``DTR`` key on
@@ -84,6 +87,14 @@ class TraceWriter:
     def constant(self, name: str, nbytes: int) -> None:
         self._write(INSTRUCTION="CONSTANT", NAME=name)
         self._write(INSTRUCTION="MEMORY", NAME=name, MEMORY=str(nbytes))
+
+    def budget(self, nbytes: int | None) -> None:
+        """session.set_budget(): the budget from the next op on."""
+        self._write(
+            INSTRUCTION="ANNOTATE",
+            ANNOTATION="BUDGET",
+            BUDGET=str(-1 if nbytes is None else nbytes),
+        )
 
     def inputs(self, names: list[str], reserve: int = 0) -> None:
         if reserve:

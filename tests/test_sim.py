@@ -13,11 +13,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import dtr
 import dtr.runtime
 import dtr.sim as sim
 from bench.harness import mismatches, train
+from bench.models import MODELS, batches, build
 from dtr.sim import program as P
 
 PROTOTYPE = sim.PROTOTYPE_DIR
@@ -260,6 +262,40 @@ def test_recorded_settings_replay_as_live(setting, tmp_path, logged, core):
     for engine in ENGINES:
         res = sim.simulate(prog, heuristic, budget=budget, engine=engine, log=True, thrash=0)
         assert res.eviction_log == live_log
+
+
+@pytest.mark.parametrize("change", [0.6, None], ids=["lowered", "lifted"])
+def test_budget_changed_mid_run_replays_as_live(change, tmp_path, logged, core):
+    # session.set_budget() in the middle of a run is in the trace: a replay at the run's
+    # own budget follows it (it used to keep the first budget and decide otherwise); one
+    # at another budget keeps that one throughout.
+    peak = _peak("mlp")
+    first = int(peak * 0.9)
+    path = str(tmp_path / "budget.jsonl")
+    spec = MODELS["mlp"]
+    torch.manual_seed(0)
+    model = build("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches("mlp", 3)
+    with dtr.enable(budget=first, cost_model="roofline", trace=path) as session:
+        for step, batch in enumerate(data):
+            if step == 1:
+                session.set_budget(None if change is None else int(peak * change))
+            spec.loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+    live_log = logged[-1].eviction_log()
+    stats = session.stats()
+    assert stats.evictions > 0
+    prog = sim.load(path)
+    assert sum(ins[0] == "BUDGET" for ins in P.disassemble(prog)) == 1
+    for engine in ENGINES:
+        res = sim.simulate(prog, "dtr", budget=first, engine=engine, log=True, thrash=0)
+        assert res.eviction_log == live_log
+        assert (res.evictions, res.remats) == (stats.evictions, stats.remats)
+        assert res.budget_bytes == first
+    fixed = sim.simulate(prog, "dtr", budget=first + 1, log=True, thrash=0)
+    assert fixed.eviction_log != live_log  # a what-if at another budget keeps its own
 
 
 def test_deterministic_cost_model_repeats_decisions(logged):

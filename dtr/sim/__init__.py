@@ -10,6 +10,7 @@ Command line: ``python -m dtr.sim TRACE --heuristic dtr_eq --budget-ratio 0.4``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -111,6 +112,10 @@ def simulate(
     # The prototype's traces replay on the paper's staleness clock (dtr/NOTES.md, "Two
     # replay semantics"); ours on the live runtime's, so a replay decides as the run did.
     core.request_stamps = prog.mode == program.PROTOTYPE
+    if prog.budget_at and str(budget) != prog.meta.get("BUDGET"):
+        # The live run changed its budget (session.set_budget()); a replay at the run's
+        # own budget follows it, one at another budget keeps that one throughout.
+        prog = dataclasses.replace(prog, code=prog.fixed_budget_code(), budget_at=())
     if engine == "c++" and hasattr(type(core), "replay"):
         return _cpp_replay(prog, core, stress, thrash, log)
     return replay(prog, core, stress, thrash, log)

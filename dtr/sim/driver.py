@@ -163,6 +163,9 @@ class Replay(Driver):
                     core.pin(t)
                 core.drain()
                 pc += 2
+            elif op == P.BUDGET:  # session.set_budget() in the live run, from here on
+                core.budget = code[pc + 1]
+                pc += 2
             elif op == P.BACKWARD:
                 pc += 1
             elif op == P.END:

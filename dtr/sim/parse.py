@@ -60,6 +60,7 @@ class _Compiler:
         self.slots: dict[str, int] = {}
         self.nslots = 0
         self.code: list[int] = []
+        self.budget_at: list[int] = []  # where the code has a BUDGET instruction
         self.costs: list[float] = []
         self.ops = 0
 
@@ -117,6 +118,12 @@ class _Compiler:
                 elif r.get("ANNOTATION") == "END":
                     self.code.append(P.END)
                     ended = True
+                elif r.get("ANNOTATION") == "BUDGET":
+                    raw = str(r.get("BUDGET"))
+                    if not (raw.isdigit() or raw == "-1"):
+                        self.fail(number, f"BUDGET {raw!r} is not a byte count or -1")
+                    self.budget_at.append(len(self.code))
+                    self.code += [P.BUDGET, int(raw)]
             elif instr in ("MEMORY", "ALIAS"):
                 self.fail(number, f"{instr} line out of place")
             else:
@@ -132,6 +139,7 @@ class _Compiler:
             ops=self.ops,
             name=os.path.basename(self.path),
             meta=meta,
+            budget_at=tuple(self.budget_at),
         )
 
     def cost(self, r) -> int:

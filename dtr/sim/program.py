@@ -13,6 +13,7 @@ MUTATE         cost index, n, args..., m, (arg index, new slot) x m        (prot
 COPY_FROM      dst, src                        (dst's handle moves to src's tensor)
 INPUTS         n, slots...                     (live: lock and materialize)
 RESERVE        nbytes                          (live: make room for an op's outputs)
+BUDGET         nbytes or -1                    (live: session.set_budget())
 INVALIDATE     n, slots...                     (live)
 READ           slot
 EXPORT         slot
@@ -28,7 +29,7 @@ import dataclasses
 import numpy as np
 
 CONST, COPY, RELEASE, CALL, MUTATE, COPY_FROM, INPUTS, INVALIDATE, READ, EXPORT = range(10)
-BACKWARD, END, RESERVE = 10, 11, 12
+BACKWARD, END, RESERVE, BUDGET = 10, 11, 12, 13
 
 # Replay semantics: the paper's simulator (evict before an op for its outputs, in-place
 # updates as copies), or dtr's live runtime (evict after an op, in-place updates as
@@ -49,6 +50,16 @@ class Program:
     # The unconstrained replay's peak, filled by dtr.sim.peak. Kept on the program (not
     # in a table keyed by id(), whose keys a later program can reuse once this one dies).
     peak_bytes: int | None = dataclasses.field(default=None, repr=False, compare=False)
+    # Where the code has a BUDGET instruction (session.set_budget() in the live run).
+    budget_at: tuple[int, ...] = ()
+
+    def fixed_budget_code(self) -> np.ndarray:
+        """The code without its BUDGET instructions: a replay at another budget than
+        the trace's keeps its own throughout."""
+        if not self.budget_at:
+            return self.code
+        drop = [pc + k for pc in self.budget_at for k in (0, 1)]
+        return np.delete(self.code, drop)
 
 
 NAMES = {
@@ -65,6 +76,7 @@ NAMES = {
     BACKWARD: "BACKWARD",
     END: "END",
     RESERVE: "RESERVE",
+    BUDGET: "BUDGET",
 }
 
 
@@ -76,7 +88,7 @@ def disassemble(prog: Program) -> list[tuple]:
         if op in (CONST, COPY, COPY_FROM):
             out.append((NAMES[op], code[pc + 1], code[pc + 2]))
             pc += 3
-        elif op in (RELEASE, READ, EXPORT, RESERVE):
+        elif op in (RELEASE, READ, EXPORT, RESERVE, BUDGET):
             out.append((NAMES[op], code[pc + 1]))
             pc += 2
         elif op in (INPUTS, INVALIDATE):
