@@ -66,7 +66,9 @@ def _make_core(
 def peak(prog: program.Program, engine: str = "c++") -> int:
     """Peak resident bytes of an unconstrained replay (what budget ratios are relative to)."""
     if prog.peak_bytes is None:
-        prog.peak_bytes = simulate(prog, "dtr", budget=-1, engine=engine).peak_bytes
+        # with no budget at all, even where the live run set one (session.set_budget())
+        free = dataclasses.replace(prog, code=prog.fixed_budget_code(), budget_at=())
+        prog.peak_bytes = simulate(free, "dtr", budget=-1, engine=engine).peak_bytes
     return prog.peak_bytes
 
 
