@@ -170,8 +170,7 @@ void FastPath::flush() {
         // be held for good (Runtime._flush).
         py::object rest = py::reinterpret_steal<py::object>(PyList_GetSlice(refs.ptr(), k + 1, n));
         py::object now = get(rt_, s_pending_);
-        if (rest && PyList_SetSlice(now.ptr(), 0, 0, rest.ptr()) == 0) throw;
-        PyErr_Clear();
+        if (!rest || PyList_SetSlice(now.ptr(), 0, 0, rest.ptr()) < 0) PyErr_Clear();
         throw;
       }
     }

@@ -117,38 +117,48 @@ class Recipe:
         return produced
 
 
+def _input_error(name: str, t: torch.Tensor, what: str) -> UnsupportedError:
+    """A recipe cannot be replayed because of what happened to a plain tensor it reads."""
+    return UnsupportedError(
+        f"dtr: cannot recompute {name}: it reads a plain tensor of shape {list(t.shape)} {what}"
+    )
+
+
 def freed_error(name: str, t: torch.Tensor) -> UnsupportedError:
     # A plain tensor's storage can be freed without any op reaching dtr
     # (untyped_storage().resize_(0)); FSDP2 does this to unsharded parameters after
     # each forward and backward. Replaying would fail deep in a kernel with an error
     # that does not say why.
-    return UnsupportedError(
-        f"dtr: cannot recompute {name}: it reads a plain tensor of shape {list(t.shape)} "
+    return _input_error(
+        name,
+        t,
         "whose storage has since been freed outside dtr's view (storage resize_(0), as "
         "FSDP2's fully_shard does to unsharded parameters). Keep such code out of "
         "dtr.enable(), or run without a budget; see dtr/NOTES.md, 'Composing with DDP "
-        "and FSDP'"
+        "and FSDP'",
     )
 
 
 def replaced_error(name: str, t: torch.Tensor) -> UnsupportedError:
-    return UnsupportedError(
-        f"dtr: cannot recompute {name}: it reads a plain tensor of shape {list(t.shape)} "
+    return _input_error(
+        name,
+        t,
         "whose storage has since been replaced without any op dtr could see (`p.data = "
         "...`, or Module.half()/.to() converting parameters that way), so recomputing "
         "would use the new value where the program used the old one. Update tensors in "
         "place instead (`with torch.no_grad(): p.copy_(new)` or `p.sub_(...)`), or "
-        "convert the model before dtr.enable()"
+        "convert the model before dtr.enable()",
     )
 
 
 def written_error(name: str, t: torch.Tensor) -> UnsupportedError:
-    return UnsupportedError(
-        f"dtr: cannot recompute {name}: it reads a plain tensor of shape {list(t.shape)} "
+    return _input_error(
+        name,
+        t,
         "that has since been written in place where dtr could not see it (on another "
         "thread, or by code that bypasses dispatch), so recomputing would use the new "
         "value where the program used the old one. Update parameters on the thread that "
-        "runs dtr.enable(), or between steps"
+        "runs dtr.enable(), or between steps",
     )
 
 

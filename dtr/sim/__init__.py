@@ -10,7 +10,6 @@ Command line: ``python -m dtr.sim TRACE --heuristic dtr_eq --budget-ratio 0.4``.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -67,7 +66,7 @@ def peak(prog: program.Program, engine: str = "c++") -> int:
     """Peak resident bytes of an unconstrained replay (what budget ratios are relative to)."""
     if prog.peak_bytes is None:
         # with no budget at all, even where the live run set one (session.set_budget())
-        free = dataclasses.replace(prog, code=prog.fixed_budget_code(), budget_at=())
+        free = prog.with_fixed_budget()
         prog.peak_bytes = simulate(free, "dtr", budget=-1, engine=engine).peak_bytes
     return prog.peak_bytes
 
@@ -117,7 +116,7 @@ def simulate(
     if prog.budget_at and str(budget) != prog.meta.get("BUDGET"):
         # The live run changed its budget (session.set_budget()); a replay at the run's
         # own budget follows it, one at another budget keeps that one throughout.
-        prog = dataclasses.replace(prog, code=prog.fixed_budget_code(), budget_at=())
+        prog = prog.with_fixed_budget()
     if engine == "c++" and hasattr(type(core), "replay"):
         return _cpp_replay(prog, core, stress, thrash, log)
     return replay(prog, core, stress, thrash, log)

@@ -53,13 +53,13 @@ class Program:
     # Where the code has a BUDGET instruction (session.set_budget() in the live run).
     budget_at: tuple[int, ...] = ()
 
-    def fixed_budget_code(self) -> np.ndarray:
-        """The code without its BUDGET instructions: a replay at another budget than
-        the trace's keeps its own throughout."""
+    def with_fixed_budget(self) -> Program:
+        """This program without its BUDGET instructions (itself if it has none): a
+        replay at another budget than the trace's keeps its own throughout."""
         if not self.budget_at:
-            return self.code
+            return self
         drop = [pc + k for pc in self.budget_at for k in (0, 1)]
-        return np.delete(self.code, drop)
+        return dataclasses.replace(self, code=np.delete(self.code, drop), budget_at=())
 
 
 NAMES = {
