@@ -8,11 +8,12 @@ process, medians of several repeats. Then the add through each layer of the Pyth
 route without dtr's bookkeeping (a no-op dispatch mode, a no-op wrapper subclass): the
 floor of any design that keeps Python dispatch. Then a cProfile split of dtr's add
 (it cannot see into the C++ fast path: the bookkeeping there and the kernel it calls are
-charged to the dispatch handler). Then a full training step of each bench model with no
-budget against eager, on the fast path and on the Python path. Writes
-bench/results/overhead.csv.
+charged to the dispatch handler). Then a full training step of each bench model at its bench
+scale with no budget: eager, under a dispatch mode that only runs each op (the floor of
+any design that sees ops through a mode), under dtr, and on dtr's Python path, rounds
+interleaved. Writes bench/results/overhead.csv.
 
-    python -m bench.overhead            # about a minute
+    python -m bench.overhead            # about two minutes
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dtr
 import dtr.runtime
 
-from .common import RESULTS, print_table, timed_steps, write_csv
+from .common import BENCH_SCALE, RESULTS, print_table, write_csv
+from .harness import make_optimizer
+from .models import MODELS, batches, build
 
 SMALL_OPS = {
     "add 64x64": lambda x, w: x + w,
@@ -197,32 +200,78 @@ def breakdown(n: int) -> list[dict]:
     ]
 
 
-def steps(models: list[str], n: int) -> list[dict]:
+def _step_contexts() -> dict:
+    """What a training step runs under, in the order each round times them."""
+    return {
+        "eager": contextlib.nullcontext,
+        "no-op mode": _NoopMode,
+        "dtr": dtr.enable,
+        "dtr, Python path": _python_path_session,
+    }
+
+
+@contextlib.contextmanager
+def _python_path_session():
+    with python_path(), dtr.enable() as session:
+        yield session
+
+
+def steps(models: list[str], n: int, rounds: int, scale: int | None = None) -> list[dict]:
+    """A training step of each bench model (at its bench scale unless `scale`), with no
+    budget, under each of _step_contexts(): one model, optimizer and list of batches, the
+    contexts timed in turn in each of `rounds` rounds (n steps on n batches after one
+    untimed step, CPU time of the process), medians over the rounds. The no-op dispatch
+    mode is the floor of any design that sees ops through a dispatch mode: besides its
+    per-op price, autograd accumulates gradients out of place whenever a mode is active
+    (isTensorSubclassLike), and more memory traffic follows."""
     rows = []
     for name in models:
-        eager = timed_steps(name, 1, n, 2, None)
-        free = timed_steps(name, 1, n, 2, {})
-        with python_path():
-            slow = timed_steps(name, 1, n, 2, {})
+        spec = MODELS[name]
+        model = build(name, scale=scale or BENCH_SCALE[name])
+        opt = make_optimizer("adam", model.parameters())
+        # a batch per step (the tree model's shape, and so its ops, differ between batches)
+        data = batches(name, n + 1, scale=scale or BENCH_SCALE[name])
+        times: dict[str, list[float]] = {k: [] for k in _step_contexts()}
+        ops = 0
+        for _ in range(rounds):
+            for kind, context in _step_contexts().items():
+                with context() as session:
+                    _train_step(spec, model, opt, data[0])
+                    start = time.process_time()
+                    for batch in data[1:]:
+                        _train_step(spec, model, opt, batch)
+                    times[kind].append((time.process_time() - start) / n)
+                    if kind == "dtr":
+                        ops = session.stats().ops // (n + 1)
+        ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         rows.append(
             dict(
                 model=name,
-                eager_ms=eager.median * 1e3,
-                dtr_ms=free.median * 1e3,
-                ratio=free.median / eager.median,
-                python_ratio=slow.median / eager.median,
-                ops=free.stats.ops // (n + 2),
-                added_us_per_op=(free.median - eager.median) / (free.stats.ops / (n + 2)) * 1e6,
+                scale=scale or BENCH_SCALE[name],
+                eager_ms=ms["eager"],
+                mode_ms=ms["no-op mode"],
+                dtr_ms=ms["dtr"],
+                python_ms=ms["dtr, Python path"],
+                ops=ops,
             )
         )
     return rows
+
+
+def _train_step(spec, model, opt, batch) -> None:
+    loss = spec.loss(model, batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=2000, help="calls per timing")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5, help="timed training steps")
+    parser.add_argument("--steps", type=int, default=4, help="timed training steps per round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the step comparison")
+    parser.add_argument("--scale", type=int, default=0, help="model scale (0: bench default)")
     parser.add_argument(
         "--models", nargs="+", default=["mlp", "cnn", "lstm", "transformer", "tree"]
     )
@@ -267,19 +316,31 @@ def main(argv=None) -> None:
         [[p["part"], f"{p['us_per_op']:.1f}", f"{p['share']:.0%}"] for p in parts],
     )
 
-    model_rows = steps(args.models, args.steps)
-    print("\ntraining steps (test-size models, Adam), no budget vs eager")
+    model_rows = steps(args.models, args.steps, args.rounds, args.scale or None)
+    print(
+        "\ntraining steps (bench-scale models, Adam, one thread), no budget: eager, a dispatch"
+        "\nmode that only runs each op (the floor of any design that sees ops through a mode),"
+        "\ndtr, and dtr's Python path; CPU time, medians of rounds run side by side"
+    )
     print_table(
-        ["model", "eager ms", "dtr ms", "ratio", "Python path ratio", "ops/step", "added us/op"],
+        [
+            "model (scale)",
+            "eager ms",
+            "no-op mode",
+            "dtr",
+            "dtr / no-op mode",
+            "Python path",
+            "ops/step",
+        ],
         [
             [
-                r["model"],
+                f"{r['model']} ({r['scale']})",
                 f"{r['eager_ms']:.1f}",
-                f"{r['dtr_ms']:.1f}",
-                f"{r['ratio']:.2f}x",
-                f"{r['python_ratio']:.2f}x",
+                f"{r['mode_ms'] / r['eager_ms']:.3f}x",
+                f"{r['dtr_ms'] / r['eager_ms']:.3f}x",
+                f"{r['dtr_ms'] / r['mode_ms']:.3f}x",
+                f"{r['python_ms'] / r['eager_ms']:.3f}x",
                 r["ops"],
-                f"{r['added_us_per_op']:.1f}",
             ]
             for r in model_rows
         ],
@@ -292,9 +353,8 @@ def main(argv=None) -> None:
     rows += [["small_op", r["op"], "python_path_us", r["python_us"]] for r in ops]
     rows += [["floor", r["route"], "us_per_op", r["us"]] for r in floor_rows]
     rows += [["breakdown", p["part"], "us_per_op", p["us_per_op"]] for p in parts]
-    rows += [["step", r["model"], "eager_ms", r["eager_ms"]] for r in model_rows]
-    rows += [["step", r["model"], "dtr_ms", r["dtr_ms"]] for r in model_rows]
-    rows += [["step", r["model"], "python_path_ratio", r["python_ratio"]] for r in model_rows]
+    for key in ("eager_ms", "mode_ms", "dtr_ms", "python_ms", "ops"):
+        rows += [["step", r["model"], key, r[key]] for r in model_rows]
     write_csv(path, ["kind", "name", "metric", "value"], [[*r[:3], f"{r[3]:.4g}"] for r in rows])
     print(f"\nwrote {path}")
 
