@@ -2,16 +2,17 @@
 
 For small ops (64x64 add, matmul, relu, a view, an in-place add) on managed tensors:
 eager time per op, dtr's with no budget and under a budget (a budget is checked at every
-op boundary; here nothing is evicted, so this is the price of the check), and dtr's
-Python path (Runtime.handle, what the C++ fast path stands in for), side by side in one
-process, medians of several repeats. Then the add through each layer of the Python
-route without dtr's bookkeeping (a no-op dispatch mode, a no-op wrapper subclass): the
-floor of any design that keeps Python dispatch. Then a cProfile split of dtr's add
-(it cannot see into the C++ fast path: the bookkeeping there and the kernel it calls are
-charged to the dispatch handler). Then a full training step of each bench model at its bench
-scale with no budget: eager, under a dispatch mode that only runs each op (the floor of
-any design that sees ops through a mode), under dtr, and on dtr's Python path, rounds
-interleaved. Writes bench/results/overhead.csv.
+op boundary; here nothing is evicted, so this is the price of the check), dtr's Python
+path (Runtime.handle, what the C++ fast path stands in for), and the experimental native
+engine (dtr.native), side by side in one process, medians of several repeats. Then the
+add through each layer of the Python route without dtr's bookkeeping (a no-op dispatch
+mode, a no-op wrapper subclass): the floor of any design that keeps Python dispatch.
+Then a cProfile split of dtr's add (it cannot see into the C++ fast path: the
+bookkeeping there and the kernel it calls are charged to the dispatch handler). Then a
+full training step of each bench model at its bench scale with no budget: eager, under a
+dispatch mode that only runs each op (the floor of any design that sees ops through a
+mode), under dtr, and on dtr's Python path, rounds interleaved. Writes
+bench/results/overhead.csv.
 
     python -m bench.overhead            # about two minutes
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import math
 import os
 import pstats
 import statistics
@@ -30,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtr
+import dtr.native
 import dtr.runtime
 
 from .common import BENCH_SCALE, RESULTS, print_table, write_csv
@@ -92,6 +95,11 @@ def small_ops(n: int, repeats: int) -> list[dict]:
         ):
             with python_path(not fast), dtr.enable(budget=budget):
                 timings[label] = _per_op_us(fn, *_inputs(in_place), n, repeats)
+        try:  # the experimental engine (dtr.native): no Python per op
+            with dtr.native.enable():
+                timings["native"] = _per_op_us(fn, *_inputs(in_place), n, repeats)
+        except NotImplementedError:
+            timings["native"] = math.nan  # v0 refuses in-place writes to managed tensors
         rows.append(
             dict(
                 op=name,
@@ -102,6 +110,7 @@ def small_ops(n: int, repeats: int) -> list[dict]:
                 budget_us=timings["budget"],
                 budget_added_us=timings["budget"] - eager,
                 python_us=timings["python path"],
+                native_us=timings["native"],
             )
         )
     return rows
@@ -288,6 +297,7 @@ def main(argv=None) -> None:
         "under budget us",
         "added us",
         "Python path us",
+        "native us",
     ]
     print("\nsmall ops on managed tensors (median of repeats; one thread)")
     table = [
@@ -300,6 +310,7 @@ def main(argv=None) -> None:
             f"{r['budget_us']:.1f}",
             f"{r['budget_added_us']:.1f}",
             f"{r['python_us']:.1f}",
+            "refused (v0)" if math.isnan(r["native_us"]) else f"{r['native_us']:.1f}",
         ]
         for r in ops
     ]
@@ -351,6 +362,7 @@ def main(argv=None) -> None:
     rows += [["small_op", r["op"], "dtr_us", r["dtr_us"]] for r in ops]
     rows += [["small_op", r["op"], "budget_us", r["budget_us"]] for r in ops]
     rows += [["small_op", r["op"], "python_path_us", r["python_us"]] for r in ops]
+    rows += [["small_op", r["op"], "native_us", r["native_us"]] for r in ops]
     rows += [["floor", r["route"], "us_per_op", r["us"]] for r in floor_rows]
     rows += [["breakdown", p["part"], "us_per_op", p["us_per_op"]] for p in parts]
     for key in ("eager_ms", "mode_ms", "dtr_ms", "python_ms", "ops"):

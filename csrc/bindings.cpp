@@ -5,6 +5,7 @@
 
 #include "core.h"
 #include "fastpath.h"
+#include "native.h"
 #include "replay.h"
 
 namespace py = pybind11;
@@ -84,4 +85,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("request_stamps", &dtr::Core::request_stamps)
       .def_readonly("search_seconds", &dtr::Core::search_seconds);
   dtr::bind_fastpath(m);
+  dtr::native::bind(m);
 }

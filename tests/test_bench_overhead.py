@@ -4,6 +4,8 @@ test-size models and leaves no mode or session behind."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from bench import overhead
@@ -36,3 +38,9 @@ def test_step_comparison_end_to_end():
             assert r[key] > 0, (r["model"], key)
         assert r["ops"] > 0 and r["scale"] == 1
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_small_ops_table_has_the_native_engine():
+    rows = {r["op"]: r for r in overhead.small_ops(n=20, repeats=1)}
+    assert rows["add 64x64"]["native_us"] > 0
+    assert math.isnan(rows["in-place add_"]["native_us"])  # v0 refuses it by name

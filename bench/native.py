@@ -1,0 +1,160 @@
+"""The native engine (dtr.native, experimental) against eager and the default engine.
+
+Trains the bench models the native engine serves so far (the tree model; the MLP with
+its dropout off, since v0 refuses random ops) at bench scale with Adam, with no budget
+and at a fraction of each engine's own unbudgeted peak, and reports step time relative
+to eager. Each measurement runs in a fresh process (CPU time, median of its timed steps),
+and the methods take turns, round after round: the order in which a process frees
+memory decides how often glibc hands pages back to the kernel and faults them in again,
+and one method's heap would otherwise be the next one's starting point. Writes
+bench/results/native.csv.
+
+    python -m bench.native            # about three minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from .common import RESULTS, print_table, write_csv
+
+MODELS = ("tree", "mlp")
+
+_CHILD = r"""
+import contextlib, json, resource, statistics, sys, time
+import torch, dtr, dtr.native
+from bench.common import BENCH_SCALE
+from bench.harness import make_optimizer
+from bench.models import MODELS, batches, build
+
+name, method, ratio, steps = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(1)
+scale = BENCH_SCALE[name]
+
+def setup():
+    torch.manual_seed(0)
+    model = build(name, scale=scale)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0  # the native engine v0 refuses random ops
+    return model, make_optimizer("adam", model.parameters()), batches(name, steps + 1, scale=scale)
+
+def train(model, opt, data, context):
+    times = []
+    with context as session:
+        for i, batch in enumerate(data):
+            start = time.process_time()
+            loss = MODELS[name].loss(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if i:
+                times.append(time.process_time() - start)
+    return statistics.median(times), session
+
+engines = {"eager": None, "dtr": dtr.enable, "native": dtr.native.enable}
+enable = engines[method]
+budget = None
+if enable is not None and ratio < 1:
+    _, probe = train(*setup(), enable())
+    stats = probe.stats()
+    peak = stats["peak_resident_bytes"] if isinstance(stats, dict) else stats.peak_resident_bytes
+    budget = int(peak * ratio)
+context = contextlib.nullcontext() if enable is None else enable(budget=budget)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+seconds, session = train(*setup(), context)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+out = dict(seconds=seconds, faults_per_step=faults / (steps + 1), evictions=0, remats=0)
+if session is not None:
+    stats = session.stats()
+    get = stats.get if isinstance(stats, dict) else lambda k: getattr(stats, k)
+    out.update(evictions=get("evictions"), remats=get("remats"))
+print(json.dumps(out))
+"""
+
+
+def _measure(name: str, method: str, ratio: float, steps: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, name, method, str(ratio), str(steps)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return dict(error=last[:160])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(models, ratios, rounds: int, steps: int) -> list[dict]:
+    rows = []
+    for name in models:
+        for ratio in ratios:
+            methods = ["eager", "dtr", "native"] if ratio >= 1 else ["dtr", "native"]
+            got: dict[str, list[dict]] = {m: [] for m in methods}
+            for _ in range(rounds):
+                for method in methods:
+                    got[method].append(_measure(name, method, ratio, steps))
+            for method in methods:
+                ok = [r for r in got[method] if "error" in r] == []
+                row = dict(model=name, ratio=ratio, method=method)
+                if ok:
+                    row.update(
+                        seconds=statistics.median(r["seconds"] for r in got[method]),
+                        faults=statistics.median(r["faults_per_step"] for r in got[method]),
+                        evictions=got[method][-1]["evictions"],
+                        remats=got[method][-1]["remats"],
+                    )
+                else:
+                    row["error"] = next(r["error"] for r in got[method] if "error" in r)
+                rows.append(row)
+    eager = {r["model"]: r["seconds"] for r in rows if r["method"] == "eager" and "seconds" in r}
+    for r in rows:
+        if "seconds" in r and r["model"] in eager:
+            r["x_eager"] = r["seconds"] / eager[r["model"]]
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--ratios", nargs="+", type=float, default=[1.0, 0.7])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per process")
+    args = parser.parse_args(argv)
+    rows = run(args.models, args.ratios, args.rounds, args.steps)
+    header = ["model", "budget", "method", "ms/step", "x eager", "page faults/step", "evictions"]
+    table = []
+    for r in rows:
+        budget = "none" if r["ratio"] >= 1 else f"{r['ratio']:g} x own peak"
+        if "error" in r:
+            table.append([r["model"], budget, r["method"], r["error"], "", "", ""])
+            continue
+        table.append(
+            [
+                r["model"],
+                budget,
+                r["method"],
+                f"{r['seconds'] * 1e3:.1f}",
+                f"{r.get('x_eager', float('nan')):.3f}x",
+                f"{r['faults']:.0f}",
+                r["evictions"],
+            ]
+        )
+    print("\nthe native engine against eager and dtr (bench scale, Adam, one thread; medians)")
+    print_table(header, table)
+    path = os.path.join(RESULTS, "native.csv")
+    keys = ["model", "ratio", "method", "seconds", "x_eager", "faults", "evictions", "remats"]
+    write_csv(path, keys + ["error"], [[r.get(k, "") for k in keys + ["error"]] for r in rows])
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The native engine (experimental): managed tensors as a C++ TensorImpl, every op through
+one C++ fallback with no Python per op (csrc/native.cpp; dtr/NOTES.md, "The PrivateUse1
+route").
+
+    with dtr.native.enable(budget="1GiB") as session:
+        train()
+    print(session.stats())
+
+What it serves and what it refuses is in csrc/native.cpp's header: ops that write
+nothing, views, plain ops, writes to plain tensors; a write to a managed tensor or a
+random op raises NotImplementedError naming the op. Traces, timelines, stress mode and
+the simulator are the default engine's (dtr.enable).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import config as _config
+from ._pycore import HEURISTICS
+from .errors import ConfigError, DTRError
+
+_installed = False
+
+
+def _install() -> None:
+    """Register the fallback for PrivateUse1, and for every op whose
+    CompositeExplicitAutograd kernel would take that key first."""
+    global _installed
+    if _installed:
+        return
+    name = torch._C._get_privateuse1_backend_name()
+    if name != "privateuseone":
+        raise DTRError(
+            f"dtr: the native engine needs the PrivateUse1 dispatch key, which backend "
+            f"{name!r} uses in this process; use dtr.enable() instead"
+        )
+    from . import _C
+
+    ops = set()
+    for key in ("CompositeExplicitAutogradNonFunctional", "CompositeExplicitAutograd"):
+        for op in torch._C._dispatch_get_registrations_for_dispatch_key(key):
+            if op.startswith("aten::"):
+                ops.add(op[len("aten::") :])
+    _C.native_install(sorted(ops))
+    _installed = True
+
+
+class NativeSession:
+    """A context manager: the native engine is on for the thread that enters it."""
+
+    def __init__(self, budget=None, heuristic: str | None = None, seed: int = 0):
+        parsed = None if budget is None else _config.parse_budget(budget)
+        self.budget = -1 if parsed is None else parsed
+        self.heuristic = heuristic or "dtr"
+        if self.heuristic not in HEURISTICS:
+            raise ConfigError(
+                f"dtr: unknown heuristic {self.heuristic!r}; one of {', '.join(HEURISTICS)}"
+            )
+        self.seed = seed
+        self._engine = None
+        self._guard = None
+
+    def __enter__(self) -> NativeSession:
+        _install()
+        from . import _C, session
+
+        if session._active is not None:
+            raise DTRError("dtr: dtr.enable() is active; the two engines do not nest")
+        engine = _C.NativeEngine(self.heuristic, self.budget, self.seed)
+        engine.activate()
+        self._engine = engine
+        self._guard = torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1)
+        self._guard.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._guard.__exit__(*exc)
+        finally:
+            self._engine.close()
+
+    def stats(self) -> dict:
+        return dict(self._engine.stats(), heuristic=self.heuristic, engine="native")
+
+
+def enable(budget=None, heuristic: str | None = None, seed: int = 0) -> NativeSession:
+    """The native engine for a `with` block (budget syntax as dtr.enable's)."""
+    return NativeSession(budget, heuristic, seed)
+
+
+def is_managed(t: torch.Tensor) -> bool:
+    from . import _C
+
+    return _C.is_native(t)

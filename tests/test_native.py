@@ -1,0 +1,168 @@
+"""The native engine (dtr.native, csrc/native.cpp): training bitwise equal to eager with and
+without a budget tight enough to evict and recompute, direct reads of evicted values
+refused with dtr's message, tensors usable after the block, and what v0 does not serve
+refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtr
+import dtr.native as native
+
+pytest.importorskip("dtr._C", reason="the native engine is C++")
+
+
+class _Residual(torch.nn.Module):
+    """A branch and a join: autograd sums two gradients into one input."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.a = torch.nn.Linear(width, width)
+        self.b = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.b(torch.relu(self.a(x))))
+
+
+def _model(kind: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        layers = [torch.nn.Linear(32, 64), torch.nn.ReLU()]
+        for _ in range(6):
+            layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+        model = torch.nn.Sequential(*layers, torch.nn.Linear(64, 4))
+    else:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), *[_Residual(64) for _ in range(4)], torch.nn.Linear(64, 4)
+        )
+    x = torch.randn(256, 32)
+    y = torch.randint(0, 4, (256,))
+    return model, x, y
+
+
+def _train(model, x, y, steps: int = 3):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _peak(kind: str) -> int:
+    with native.enable() as session:
+        _train(*_model(kind))
+    return session.stats()["peak_resident_bytes"]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "residual"])
+def test_trains_bitwise_as_eager(kind):
+    expect = _train(*_model(kind))
+    with native.enable() as session:
+        got = _train(*_model(kind))
+    assert got[0] == expect[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
+    stats = session.stats()
+    assert stats["ops"] > 0 and stats["evictions"] == 0 and stats["engine"] == "native"
+
+
+@pytest.mark.parametrize("kind", ["mlp", "residual"])
+def test_under_a_budget_evicts_recomputes_and_stays_bitwise(kind):
+    expect = _train(*_model(kind))
+    budget = int(_peak(kind) * 0.7)
+    with native.enable(budget=budget) as session:
+        got = _train(*_model(kind))
+    stats = session.stats()
+    assert stats["evictions"] > 0 and stats["remats"] > 0, stats
+    assert stats["peak_resident_bytes"] <= budget
+    assert got[0] == expect[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
+
+
+def test_infeasible_budget_is_an_out_of_memory_error_with_the_numbers():
+    model, x, y = _model("mlp")
+    with pytest.raises(torch.OutOfMemoryError, match=r"dtr: the budget \(1000 bytes\)"):
+        with native.enable(budget=1000):
+            F.cross_entropy(model(x), y).backward()
+    # the process stays usable: another session works
+    with native.enable():
+        assert _train(*_model("mlp"), steps=1)[0] == _train(*_model("mlp"), steps=1)[0]
+
+
+def test_values_are_managed_and_readable_after_the_block():
+    model, x, _ = _model("mlp")
+    with native.enable():
+        out = model(x)
+        assert native.is_managed(out)
+        assert not native.is_managed(x)
+        assert out.device == x.device and out.is_cpu and type(out) is torch.Tensor
+    expect = model(x)
+    assert torch.equal(out.detach(), expect.detach())
+    assert out.detach().numpy().shape == (256, 4)
+    assert torch.equal(out + 1, expect + 1)  # ops after the block: plain results
+    assert not native.is_managed(out + 1)
+
+
+def test_direct_read_of_an_evicted_value_is_refused_with_dtrs_message():
+    model, x, _ = _model("mlp")
+    with native.enable(budget=int(_peak("mlp") * 0.45)):
+        h = [x]
+        for layer in model:
+            h.append(layer(h[-1]))
+        evicted = [t for t in h[1:] if native.is_managed(t) and _evicted(t)]
+        assert evicted, "nothing was evicted"
+        with pytest.raises(RuntimeError, match="dtr: this tensor's value is evicted"):
+            evicted[0].tolist()
+        # an op rebuilds it
+        assert torch.isfinite(evicted[0].clone()).all()
+
+
+def _evicted(t: torch.Tensor) -> bool:
+    try:
+        t.data_ptr()
+    except RuntimeError:
+        return True
+    return False
+
+
+def test_what_v0_does_not_serve_is_refused_by_name():
+    model, x, _ = _model("mlp")
+    with native.enable():
+        h = model(x)
+        with pytest.raises(NotImplementedError, match="dtr: the native engine does not serve"):
+            h.add_(1)
+        with pytest.raises(NotImplementedError, match="aten::rand_like.*random ops"):
+            torch.rand_like(h)
+
+
+def test_does_not_nest_with_the_default_engine():
+    with dtr.enable():
+        with pytest.raises(dtr.DTRError, match="do not nest"):
+            with native.enable():
+                pass
+
+
+def test_bad_heuristic_is_a_config_error():
+    with pytest.raises(dtr.ConfigError, match="unknown heuristic"):
+        native.enable(heuristic="nope")
+
+
+def test_evicted_values_are_materialized_when_the_block_ends():
+    model, x, _ = _model("mlp")
+    expect = [x]
+    for layer in model:
+        expect.append(layer(expect[-1]))
+    with native.enable(budget=int(_peak("mlp") * 0.45)) as session:
+        h = [x]
+        for layer in model:
+            h.append(layer(h[-1]))
+        assert any(_evicted(t) for t in h[1:])
+    assert session.stats()["evictions"] > 0
+    for got, want in zip(h, expect, strict=True):
+        assert torch.equal(torch.from_numpy(got.detach().numpy()), want.detach())
