@@ -1,15 +1,14 @@
 """The native engine (dtr.native, experimental) against eager and the default engine.
 
-Trains the bench models the native engine serves so far (the tree model; the MLP with
-its dropout off, since v0 refuses random ops) at bench scale with Adam, with no budget
-and at a fraction of each engine's own unbudgeted peak, and reports step time relative
-to eager. Each measurement runs in a fresh process (CPU time, median of its timed steps),
-and the methods take turns, round after round: the order in which a process frees
-memory decides how often glibc hands pages back to the kernel and faults them in again,
-and one method's heap would otherwise be the next one's starting point. Writes
+Trains the bench models at bench scale with Adam, with no budget and at a fraction of
+each engine's own unbudgeted peak, and reports step time relative to eager. Each
+measurement runs in a fresh process (CPU time, median of its timed steps), and the
+methods take turns, round after round: the order in which a process frees memory
+decides how often glibc hands pages back to the kernel and faults them in again, and
+one method's heap would otherwise be the next one's starting point. Writes
 bench/results/native.csv.
 
-    python -m bench.native            # about three minutes
+    python -m bench.native            # about eight minutes
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import sys
 
 from .common import RESULTS, print_table, write_csv
 
-MODELS = ("tree", "mlp")
+MODELS = ("mlp", "cnn", "lstm", "transformer", "tree")
 
 _CHILD = r"""
 import contextlib, json, resource, statistics, sys, time
@@ -39,9 +38,6 @@ scale = BENCH_SCALE[name]
 def setup():
     torch.manual_seed(0)
     model = build(name, scale=scale)
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0  # the native engine v0 refuses random ops
     return model, make_optimizer("adam", model.parameters()), batches(name, steps + 1, scale=scale)
 
 def train(model, opt, data, context):
@@ -127,7 +123,7 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--ratios", nargs="+", type=float, default=[1.0, 0.7])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per process")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per process")
     args = parser.parse_args(argv)
     rows = run(args.models, args.ratios, args.rounds, args.steps)
     header = ["model", "budget", "method", "ms/step", "x eager", "page faults/step", "evictions"]

@@ -12,8 +12,10 @@
 // Served (v0): ops that write nothing (views included) on managed tensors, ops on plain
 // tensors (writes to a plain tensor a recipe reads pin what depends on it first, as
 // Runtime._writes_to_plain), ops that write plain tensors from managed ones (an optimizer
-// reading managed gradients). Refused with NotImplementedError naming the op: writes to a
-// managed tensor, random ops, tensors not on the CPU. Gradients are managed tensors (counted
+// reading managed gradients), in-place writes to managed tensors (the tensor and what
+// reads it are pinned first: no versions yet), random ops (run once, results plain).
+// Refused with NotImplementedError naming the op: in-place ops that change a managed
+// tensor's shape or storage, tensors not on the CPU. Gradients are managed tensors (counted
 // in the budget; the default engine hands them out plain). Trace, timeline, stress mode,
 // OOM retry and reserve are not in v0.
 #include "native.h"
@@ -505,11 +507,18 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   Engine& e = *eng;
   std::lock_guard<std::recursive_mutex> g(e.mu);
   e.flush();
+  bool writes_managed = false;
   for (const Leaf& l : leaves) {
-    if (l.native && is_written(l.arg)) refuse(op, "it writes a managed tensor in place");
+    if (l.native && is_written(l.arg)) writes_managed = true;
     if (l.tensor.defined() && !l.tensor.is_cpu()) refuse(op, "v0 manages CPU tensors only");
   }
-  if (op.hasTag(at::Tag::nondeterministic_seeded)) refuse(op, "random ops are not replayed yet");
+  const std::string& name = schema.name();
+  if (writes_managed && (op.hasTag(at::Tag::inplace_view) || name == "aten::resize_" ||
+                         name == "aten::resize_as_" || name == "aten::set_"))
+    refuse(op, "it changes a managed tensor's shape or storage in place");
+  // Random ops are not replayed yet: their results are plain tensors (never evicted;
+  // counted while a recipe reads them), so nothing needs their generator state again.
+  const bool seeded = op.hasTag(at::Tag::nondeterministic_seeded);
   Core& core = e.core;
   std::vector<int64_t> fresh, locked;
   auto finish = [&] {
@@ -538,14 +547,36 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
       if (!e.resident(tids[k])) e.rematerialize(tids[k]);
       put(stack, begin + l.arg, l.item, e.values[tids[k]]);
     }
-    const bool record = written.empty();
-    for (const Leaf& l : leaves)
-      if (!l.native && is_written(l.arg)) e.writes_to_plain(l.tensor);
+    const bool record = written.empty() && !seeded;
+    // An in-place write to a managed tensor: no version yet (step 3), so the tensor and
+    // everything whose lineage reads it are materialized and pinned first (Invariant 4,
+    // the aliased case): no recipe will read the old value again.
+    for (size_t k = 0; k < leaves.size(); ++k) {
+      const Leaf& l = leaves[k];
+      if (!is_written(l.arg)) continue;
+      if (l.native) {
+        e.invalidate(core.members(tids[k]));
+      } else {
+        e.writes_to_plain(l.tensor);
+      }
+    }
     std::vector<c10::IValue> args(stack->begin() + begin, stack->end());
     auto start = std::chrono::steady_clock::now();
     Engine::call_below(op, stack);
     double cost = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (!record) {  // it wrote plain tensors (an optimizer reading managed gradients)
+    if (!record) {  // a write (an optimizer reading managed gradients), or a random op
+      // the program gets back the managed tensors it wrote, not their plain values
+      const size_t nret = schema.returns().size();
+      for (size_t i = stack->size() - nret; i < stack->size(); ++i) {
+        c10::IValue& r = (*stack)[i];
+        if (!r.isTensor()) continue;
+        for (size_t k = 0; k < leaves.size(); ++k)
+          if (leaves[k].native && is_written(leaves[k].arg) &&
+              r.toTensor().is_same(e.values[tids[k]])) {
+            r = leaves[k].tensor;
+            break;
+          }
+      }
       finish();
       e.drain();
       return;

@@ -4,8 +4,6 @@ test-size models and leaves no mode or session behind."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from bench import overhead
@@ -41,6 +39,6 @@ def test_step_comparison_end_to_end():
 
 
 def test_small_ops_table_has_the_native_engine():
-    rows = {r["op"]: r for r in overhead.small_ops(n=20, repeats=1)}
-    assert rows["add 64x64"]["native_us"] > 0
-    assert math.isnan(rows["in-place add_"]["native_us"])  # v0 refuses it by name
+    rows = overhead.small_ops(n=20, repeats=1)
+    assert [r["op"] for r in rows] == list(overhead.SMALL_OPS)
+    assert all(r["native_us"] > 0 for r in rows)
