@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "core.h"
+#include "protocol.h"
 
 namespace py = pybind11;
 
@@ -163,50 +164,20 @@ struct Engine : std::enable_shared_from_this<Engine> {
     return tid;
   }
 
-  // ---- Driver.invalidate (dtr/protocol.py): what reads `seeds` is materialized and pinned
+  // ---- Driver.invalidate (csrc/protocol.h): what reads `seeds` is materialized and pinned
   void invalidate(const std::vector<int64_t>& seeds) {
-    std::vector<int64_t> todo = seeds;
-    for (int64_t d : core.descendants(seeds)) todo.push_back(d);
-    std::vector<int64_t> held;
-    try {
-      bool again = true;
-      while (again) {
-        again = false;
-        for (int64_t t : todo) {
-          if (core.ext(t) > 0 && !core.is_materialized(t) && !core.is_constant(t)) {
-            for (int64_t h : held)
-              if (h == t) throw std::runtime_error("dtr: locked tensor was evicted");
-            core.lock(t);
-            held.push_back(t);
-            rematerialize(t);
-            again = true;
-          }
-        }
-      }
-      for (int64_t t : todo) core.pin(t);
-    } catch (...) {
-      for (int64_t t : held) core.unlock(t);
-      drain();
-      throw;
-    }
-    for (int64_t t : held) core.unlock(t);
-    drain();
+    dtr::invalidate(core, seeds, [&](int64_t t) { rematerialize(t); }, [&] { drain(); });
   }
   void writes_to_plain(const at::Tensor& t) {
     auto it = const_tid.find(t.storage().unsafeGetStorageImpl());
     if (it != const_tid.end() && core.has_consumers(it->second)) invalidate({it->second});
   }
 
-  // ---- Driver.rematerialize
+  // ---- Driver.rematerialize (csrc/protocol.h)
   void rematerialize(int64_t tid) {
-    core.remat_begin(tid);
-    bool finished = false;
-    try {
-      while (true) {
-        int64_t rid = core.remat_step();
-        if (rid < 0) break;
-        int64_t need = core.remat_bytes(rid);
-        if (!core.make_room(need))
+    dtr::rematerialize(
+        core, tid, [&](int64_t rid) { core.remat_done(rid, rerun(rid), {}); },
+        [&](int64_t, int64_t need) {
           throw c10::OutOfMemoryError(
               {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
               "dtr: the budget (" + std::to_string(core.budget) +
@@ -215,16 +186,8 @@ struct Engine : std::enable_shared_from_this<Engine> {
                   std::to_string(core.pinned_bytes()) + " pinned, " +
                   std::to_string(core.constant_bytes()) + " constants, " +
                   std::to_string(core.locked_bytes()) + " locked");
-        drain();
-        core.remat_done(rid, rerun(rid), {});
-      }
-      finished = true;
-    } catch (...) {
-      if (!finished) core.remat_abort();
-      drain();
-      throw;
-    }
-    drain();
+        },
+        [&] { drain(); });
   }
 
   std::vector<int64_t> rerun(int64_t rid) {

@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "protocol.h"
+
 namespace dtr {
 
 namespace {
@@ -140,56 +142,17 @@ class Replayer {
  private:
   void materialize(int64_t tid) {
     if (core_.is_materialized(tid)) return;
-    core_.remat_begin(tid);
-    bool finished = false;
-    try {
-      while (true) {
-        const int64_t rid = core_.remat_step();
-        if (rid < 0) break;
-        if (!core_.make_room(core_.remat_bytes(rid))) throw Stop{"oom"};
-        core_.drain();
-        core_.remat_done(rid, {}, core_.steals(rid));
-        if (core_.remat_cost > limit_) throw Stop{"thrash"};
-      }
-      finished = true;
-    } catch (...) {
-      if (!finished) core_.remat_abort();
-      core_.drain();
-      throw;
-    }
-    core_.drain();
+    rematerialize(
+        core_, tid,
+        [&](int64_t rid) {
+          core_.remat_done(rid, {}, core_.steals(rid));
+          if (core_.remat_cost > limit_) throw Stop{"thrash"};
+        },
+        [](int64_t, int64_t) { throw Stop{"oom"}; }, [&] { core_.drain(); });
   }
 
   void invalidate(const std::vector<int64_t>& seeds) {
-    std::vector<int64_t> todo = seeds;
-    const std::vector<int64_t> desc = core_.descendants(seeds);
-    todo.insert(todo.end(), desc.begin(), desc.end());
-    std::vector<int64_t> held;
-    try {
-      // Until every held tensor is resident: rebuilding one may evict another that was
-      // resident when it was checked (dtr/protocol.py's twin, same calls in order).
-      bool again = true;
-      while (again) {
-        again = false;
-        for (int64_t t : todo) {
-          if (core_.ext(t) > 0 && !core_.is_materialized(t) && !core_.is_constant(t)) {
-            if (std::find(held.begin(), held.end(), t) != held.end())
-              throw std::logic_error("dtr: locked tensor " + std::to_string(t) + " was evicted");
-            core_.lock(t);
-            held.push_back(t);
-            materialize(t);
-            again = true;
-          }
-        }
-      }
-      for (int64_t t : todo) core_.pin(t);
-    } catch (...) {
-      for (int64_t t : held) core_.unlock(t);
-      core_.drain();
-      throw;
-    }
-    for (int64_t t : held) core_.unlock(t);
-    core_.drain();
+    dtr::invalidate(core_, seeds, [&](int64_t t) { materialize(t); }, [&] { core_.drain(); });
   }
 
   int64_t call(const int64_t* code, int64_t pc) {
