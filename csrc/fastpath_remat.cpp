@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "fastpath_impl.h"
+#include "protocol.h"
 
 namespace dtr {
 namespace fast {
@@ -21,29 +22,16 @@ void FastPath::rematerialize(int64_t tid) {
   py::none none;
   set(rt_, s_stealing_, none);
   try {
-    core.remat_begin(tid);
-    bool finished = false;
-    try {
-      while (true) {
-        int64_t rid = core.remat_step();
-        if (rid < 0) break;
-        int64_t need = core.remat_bytes(rid);
-        if (!core.make_room(need)) {
-          raise_exc(rt_.attr(s_out_of_budget_)(rid, need));
-        }
-        drain();
-        std::vector<int64_t> stolen = core.steals(rid);
-        std::vector<int64_t> nbytes = rerun(rid, stolen);
-        core.remat_done(rid, nbytes, stolen);
-        if (!stolen.empty()) set(rt_, s_stealing_, none);  // the core knows: nothing to undo
-      }
-      finished = true;
-    } catch (...) {
-      if (!finished) core.remat_abort();
-      drain();
-      throw;
-    }
-    drain();
+    dtr::rematerialize(
+        core, tid,
+        [&](int64_t rid) {
+          std::vector<int64_t> stolen = core.steals(rid);
+          std::vector<int64_t> nbytes = rerun(rid, stolen);
+          core.remat_done(rid, nbytes, stolen);
+          if (!stolen.empty()) set(rt_, s_stealing_, none);  // the core knows: nothing to undo
+        },
+        [&](int64_t rid, int64_t need) { raise_exc(rt_.attr(s_out_of_budget_)(rid, need)); },
+        [&] { drain(); });
   } catch (...) {
     // A rerun that wrote into the storage of the version it updates was interrupted
     // before remat_done (Runtime._after_interrupted_steal says what that needs).

@@ -4,7 +4,7 @@ make the same way, so that a replayed trace reproduces a live run's decisions ex
 The core's choices depend on the order of every call (ids are reused in the order they
 are drained; staleness follows the clock), so these algorithms are written once, here.
 ``csrc/protocol.h`` is their compiled twin (the simulator's replay loop, csrc/replay.cpp,
-and the native engine use it); tests compare the simulator's with the Python driver.
+the fast path and the native engine use it); tests compare each with the Python driver.
 """
 
 from __future__ import annotations
