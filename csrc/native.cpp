@@ -68,6 +68,22 @@ struct Slot {  // where a managed input sits in the recipe's arguments
   int64_t tid;
 };
 
+// Put v (undefined: none) where an argument holds a tensor: the argument itself (item < 0)
+// or item `item` of a list argument (a copy: the caller's list is left alone).
+void set_item(c10::IValue& iv, int64_t item, const at::Tensor& v) {
+  if (item < 0) {
+    iv = v.defined() ? c10::IValue(v) : c10::IValue();
+  } else if (iv.isTensorList()) {
+    auto l = iv.toTensorList().copy();
+    l.set(item, v);
+    iv = l;
+  } else {
+    auto l = iv.toList().copy();
+    l.set(item, v.defined() ? c10::IValue(v) : c10::IValue());
+    iv = l;
+  }
+}
+
 struct Recipe {
   std::optional<c10::OperatorHandle> op;
   std::vector<c10::IValue> args;  // the call's arguments, managed tensors as None
@@ -198,20 +214,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
             "dtr: a tensor this recomputation reads was written in place where dtr could not "
             "see it (another thread, or code outside any op)");
     torch::jit::Stack stack(rec.args.begin(), rec.args.end());
-    for (const Slot& s : rec.slots) {
-      const at::Tensor& v = values.at(s.tid);
-      if (s.item < 0) {
-        stack[s.arg] = v;
-      } else if (stack[s.arg].isTensorList()) {
-        auto l = stack[s.arg].toTensorList().copy();
-        l.set(s.item, v);
-        stack[s.arg] = l;
-      } else {
-        auto l = stack[s.arg].toList().copy();
-        l.set(s.item, c10::IValue(v));
-        stack[s.arg] = l;
-      }
-    }
+    for (const Slot& s : rec.slots) set_item(stack[s.arg], s.item, values.at(s.tid));
     auto start = std::chrono::steady_clock::now();
     {
       at::AutoGradMode grad(rec.grad);
@@ -380,36 +383,6 @@ void for_each_tensor(torch::jit::Stack* stack, size_t begin, size_t n, F f) {
   }
 }
 
-void put(torch::jit::Stack* stack, size_t pos, int64_t item, const at::Tensor& v) {
-  c10::IValue& iv = (*stack)[pos];
-  if (item < 0) {
-    iv = v;
-  } else if (iv.isTensorList()) {
-    auto l = iv.toTensorList().copy();
-    l.set(item, v);
-    iv = l;
-  } else {
-    auto l = iv.toList().copy();
-    l.set(item, c10::IValue(v));
-    iv = l;
-  }
-}
-
-void put_empty(std::vector<c10::IValue>& args, const Slot& s) {
-  c10::IValue& iv = args[s.arg];
-  if (s.item < 0) {
-    iv = c10::IValue();
-  } else if (iv.isTensorList()) {
-    auto l = iv.toTensorList().copy();
-    l.set(s.item, at::Tensor());
-    iv = l;
-  } else {
-    auto l = iv.toList().copy();
-    l.set(s.item, c10::IValue());
-    iv = l;
-  }
-}
-
 [[noreturn]] void refuse(const c10::OperatorHandle& op, const std::string& why) {
   throw c10::NotImplementedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                                  "dtr: the native engine does not serve " + op.schema().name() +
@@ -440,7 +413,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     for (Leaf& l : leaves)
       if (!l.native && as_native(l.tensor)) {
         l.tensor = plain_view(l.tensor);
-        put(stack, begin + l.arg, l.item, l.tensor);
+        set_item((*stack)[begin + l.arg], l.item, l.tensor);
       }
   wants = wants && at::GradMode::is_enabled();
   std::vector<size_t> written;  // argument positions the op writes
@@ -508,7 +481,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
         continue;
       }
       if (!e.resident(tids[k])) e.rematerialize(tids[k]);
-      put(stack, begin + l.arg, l.item, e.values[tids[k]]);
+      set_item((*stack)[begin + l.arg], l.item, e.values[tids[k]]);
     }
     const bool record = written.empty() && !seeded;
     // An in-place write to a managed tensor: no version yet (step 3), so the tensor and
@@ -523,7 +496,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
         e.writes_to_plain(l.tensor);
       }
     }
-    std::vector<c10::IValue> args(stack->begin() + begin, stack->end());
+    std::vector<c10::IValue> args;  // the recipe's (recorded ops only)
+    if (record) args.assign(stack->begin() + begin, stack->end());
     auto start = std::chrono::steady_clock::now();
     Engine::call_below(op, stack);
     double cost = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -610,7 +584,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
       }
       // the recipe holds no managed value: its slots are filled at each replay
       rec.args = std::move(args);
-      for (const Slot& s : rec.slots) put_empty(rec.args, s);
+      for (const Slot& s : rec.slots) set_item(rec.args[s.arg], s.item, at::Tensor());
       rec.outs = outs;
       out_tids = core.record(inputs, cost, kinds, refs, nbytes);
       rec.out_tids = out_tids;
@@ -622,7 +596,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
       for (size_t q = 0; q < out_tids.size(); ++q) {
         auto [i, j] = outs[q];
         at::Tensor w = at::detail::make_tensor<NativeImpl>(eng, out_tids[q], produced[q]);
-        put(stack, rbegin + i, j, w);
+        set_item((*stack)[rbegin + i], j, w);
       }
     }
     finish();
@@ -702,7 +676,6 @@ void bind(py::module_& m) {
            [](Engine& e) {
              std::lock_guard<std::recursive_mutex> g(e.mu);
              py::dict d;
-             d["budget_bytes"] = e.core.budget;
              d["ops"] = e.core.ops;
              d["evictions"] = e.core.evictions;
              d["eager_evictions"] = e.core.eager_evictions;
@@ -711,6 +684,8 @@ void bind(py::module_& m) {
              d["peak_resident_bytes"] = e.core.peak_bytes;
              d["max_transient_bytes"] = e.core.max_bytes;
              d["resident_bytes"] = e.core.resident_bytes;
+             d["pinned_bytes"] = e.core.pinned_bytes();
+             d["constant_bytes"] = e.core.constant_bytes();
              d["search_seconds"] = e.core.search_seconds;
              return d;
            })
