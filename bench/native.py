@@ -61,16 +61,13 @@ enable = engines[method]
 budget = None
 if enable is not None and ratio < 1:
     _, _, probe = train(*setup(), enable())
-    stats = probe.stats()
-    peak = stats["peak_resident_bytes"] if isinstance(stats, dict) else stats.peak_resident_bytes
-    budget = int(peak * ratio)
+    budget = int(probe.stats().peak_resident_bytes * ratio)
 context = contextlib.nullcontext() if enable is None else enable(budget=budget)
 seconds, faults, session = train(*setup(), context)
 out = dict(seconds=seconds, faults_per_step=faults, evictions=0, remats=0)
 if session is not None:
     stats = session.stats()
-    get = stats.get if isinstance(stats, dict) else lambda k: getattr(stats, k)
-    out.update(evictions=get("evictions"), remats=get("remats"))
+    out.update(evictions=stats.evictions, remats=stats.remats)
 print(json.dumps(out))
 """
 

@@ -19,6 +19,7 @@ import torch
 from . import config as _config
 from ._pycore import HEURISTICS
 from .errors import ConfigError, DTRError
+from .stats import Stats
 
 _installed = False
 
@@ -80,8 +81,14 @@ class NativeSession:
         finally:
             self._engine.close()
 
-    def stats(self) -> dict:
-        return dict(self._engine.stats(), heuristic=self.heuristic, engine="native")
+    def stats(self) -> Stats:
+        """The same dtr.Stats as a dtr.enable() session's (core: "native")."""
+        return Stats(
+            budget_bytes=None if self.budget < 0 else self.budget,
+            heuristic=self.heuristic,
+            core="native",
+            **self._engine.stats(),
+        )
 
 
 def enable(budget=None, heuristic: str | None = None, seed: int = 0) -> NativeSession:

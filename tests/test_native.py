@@ -66,7 +66,7 @@ def _train(model, x, y, steps: int = 3):
 def _peak(kind: str) -> int:
     with native.enable() as session:
         _train(*_model(kind))
-    return session.stats()["peak_resident_bytes"]
+    return session.stats().peak_resident_bytes
 
 
 @pytest.mark.parametrize("kind", ["mlp", "residual", "inplace"])
@@ -77,7 +77,7 @@ def test_trains_bitwise_as_eager(kind):
     assert got[0] == expect[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
     stats = session.stats()
-    assert stats["ops"] > 0 and stats["evictions"] == 0 and stats["engine"] == "native"
+    assert stats.ops > 0 and stats.evictions == 0 and stats.core == "native"
 
 
 # In-place writes pin what they write (no versions yet), so that model's budget is higher.
@@ -88,8 +88,8 @@ def test_under_a_budget_evicts_recomputes_and_stays_bitwise(kind, ratio):
     with native.enable(budget=budget) as session:
         got = _train(*_model(kind))
     stats = session.stats()
-    assert stats["evictions"] > 0 and stats["remats"] > 0, stats
-    assert stats["peak_resident_bytes"] <= budget
+    assert stats.evictions > 0 and stats.remats > 0, stats
+    assert stats.peak_resident_bytes <= budget and stats.budget_bytes == budget
     assert got[0] == expect[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
 
@@ -170,7 +170,7 @@ def test_evicted_values_are_materialized_when_the_block_ends():
         for layer in model:
             h.append(layer(h[-1]))
         assert any(_evicted(t) for t in h[1:])
-    assert session.stats()["evictions"] > 0
+    assert session.stats().evictions > 0
     for got, want in zip(h, expect, strict=True):
         assert torch.equal(torch.from_numpy(got.detach().numpy()), want.detach())
 
