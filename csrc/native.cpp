@@ -9,15 +9,17 @@
 // directly); recomputing puts the new value's DataPtr back, so views and autograd's saved
 // copies, which share the StorageImpl, see it.
 //
-// Served (v0): ops that write nothing (views included) on managed tensors, ops on plain
+// Served: ops that write nothing (views included) on managed tensors, ops on plain
 // tensors (writes to a plain tensor a recipe reads pin what depends on it first, as
 // Runtime._writes_to_plain), ops that write plain tensors from managed ones (an optimizer
-// reading managed gradients), in-place writes to managed tensors (the tensor and what
-// reads it are pinned first: no versions yet), random ops (run once, results plain).
-// Refused with NotImplementedError naming the op: in-place ops that change a managed
-// tensor's shape or storage, tensors not on the CPU. Gradients are managed tensors (counted
-// in the budget; the default engine hands them out plain). Trace, timeline, stress mode,
-// OOM retry and reserve are not in v0.
+// reading managed gradients), in-place writes to managed tensors (Invariant 4: a new
+// version when the tensor is private, else what reads it is pinned; a recipe that must
+// read a written argument's old value reads a copy taken before the op), and random ops
+// (replayed from the generator state captured before they ran, Invariant 1). Refused with
+// NotImplementedError naming the op: in-place ops that change a managed tensor's shape or
+// storage, tensors not on the CPU. Gradients accumulated into a leaf's .grad are handed
+// out plain, as by the default engine. Trace, timeline, stress mode, OOM retry and reserve
+// are not here yet.
 #include "native.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -35,6 +37,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "core.h"
@@ -84,16 +87,72 @@ void set_item(c10::IValue& iv, int64_t item, const at::Tensor& v) {
   }
 }
 
+// A managed tensor's identity. Every NativeImpl naming the same core tensor (an op's
+// result, autograd's saved copies of it, detach()) shares one Cell, so that an in-place
+// write giving that tensor a new version (Core::version) renames all of them at once.
+struct Cell {
+  int64_t tid;
+};
+
+struct Out {     // where a recipe's core output comes from
+  size_t ret;    // the return it is (or an item of), when slot < 0
+  int64_t item;  // index in a list return, or -1
+  int64_t slot;  // a new version: the index in `slots` of the argument written in place
+};
+
 struct Recipe {
   std::optional<c10::OperatorHandle> op;
   std::vector<c10::IValue> args;  // the call's arguments, managed tensors as None
   std::vector<Slot> slots;
-  std::vector<std::pair<size_t, int64_t>> outs;  // per core output: (return, item or -1)
+  std::vector<Out> outs;  // per core output
   std::vector<int64_t> out_tids;
   // plain tensors it reads, with their version when recorded (a write dtr did not see)
   std::vector<std::pair<at::Tensor, uint32_t>> plain;
+  // a random op: its generator and that generator's state before the op first ran
+  std::optional<at::Generator> gen;
+  at::Tensor rng_state;
+  // written arguments that are copies taken before the op: each replay writes a copy of
+  // the copy, so that the next one reads the same value
+  std::vector<std::pair<size_t, int64_t>> scratch;
   bool grad = false;
 };
+
+// Below the session: without its PrivateUse1 key (kernels see plain tensors only) and
+// below autograd (a managed tensor's own autograd key recorded the graph).
+struct Below {
+  Below()
+      : local_(c10::impl::tls_local_dispatch_key_set()),
+        guard_(local_.included_.remove_backend(c10::BackendComponent::PrivateUse1Bit),
+               local_.excluded_ | c10::autograd_dispatch_keyset_with_ADInplaceOrView) {}
+  c10::impl::LocalDispatchKeySet local_;
+  c10::impl::ForceDispatchKeyGuard guard_;
+};
+
+// A plain tensor with t's metadata over `storage`.
+at::Tensor over(const at::Tensor& t, c10::Storage storage) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  return at::Tensor(std::move(impl));
+}
+
+// A copy of t's whole storage, with t's metadata: an in-place op run on it writes the same
+// bytes as on t (bitwise the same layout), and its storage has t's size.
+at::Tensor copy_storage(const at::Tensor& t) {
+  Below below;
+  const int64_t nbytes = static_cast<int64_t>(t.storage().nbytes());
+  auto bytes = at::empty({0}, t.options().dtype(at::kByte));
+  bytes.set_(t.storage(), 0, {nbytes}, {1});
+  return over(t, bytes.clone().storage());
+}
+
+// A storage of nbytes holding nothing, that reports kEvictedMsg when read.
+c10::Storage empty_storage(size_t nbytes, c10::Device device) {
+  c10::Storage s(c10::Storage::use_byte_size_t(), nbytes, at::DataPtr(nullptr, device));
+  s.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
+      std::string(kEvictedMsg));
+  return s;
+}
 
 }  // namespace
 
@@ -106,31 +165,54 @@ struct Engine : std::enable_shared_from_this<Engine> {
   std::atomic<bool> open{true};
   std::vector<at::Tensor> values;  // per tid: the plain tensor over the shared StorageImpl
   std::vector<Recipe> recipes;     // per recipe id
+  std::vector<std::pair<int64_t, size_t>> output_of;  // per tid: (recipe, output) or -1
   std::unordered_map<const c10::StorageImpl*, int64_t> const_tid;  // constant storages
   std::vector<c10::Storage> const_storage;                         // per tid, kept alive
   std::mutex pending_mu;
-  std::vector<int64_t> pending;  // handles dropped since the last op
+  // Handles dropped since the last op. Cells, not ids: a write in between may have given
+  // the tensor a new version, which took its handles over.
+  std::vector<std::shared_ptr<Cell>> pending;
   double recompute_seconds = 0.0;
+  bool steal_broken = false;  // a rerun that wrote into an old version's storage failed
+  // Gradients are handed out plain (Runtime._grad_ready): Python's hook for a leaf, set by
+  // dtr.native, called once per leaf; the leaves hooked so far (weak: a pointer is not
+  // reused while its weak reference is held).
+  py::object leaf_hook;
+  std::unordered_map<const c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>> hooked;
+  size_t prune_hooked_at = 64;
+  // values handed out plain: their storage, per tid (a write to it invalidates readers)
+  std::unordered_map<const c10::StorageImpl*, int64_t> escaped;
+  std::vector<const c10::StorageImpl*> escaped_storage;
+
+  ~Engine() {
+    if (!leaf_hook) return;
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      leaf_hook = py::object();
+    } else {
+      leaf_hook.release();  // the interpreter is gone: nothing to decrement
+    }
+  }
 
   // ---- handles
-  void retain(int64_t tid) {
+  void retain(const Cell& cell) {
     std::lock_guard<std::recursive_mutex> g(mu);
-    if (open) core.retain(tid);
+    if (open) core.retain(cell.tid);
   }
-  void dropped(int64_t tid) {  // from a destructor: any thread, maybe inside an op
+  void dropped(std::shared_ptr<Cell> cell) {  // from a destructor: any thread, maybe in an op
     std::lock_guard<std::mutex> g(pending_mu);
-    pending.push_back(tid);
+    pending.push_back(std::move(cell));
   }
   void flush() {
     while (true) {
-      std::vector<int64_t> now;
+      std::vector<std::shared_ptr<Cell>> now;
       {
         std::lock_guard<std::mutex> g(pending_mu);
         now.swap(pending);
       }
       if (now.empty()) return;
       if (open)
-        for (int64_t tid : now) core.release(tid);
+        for (const auto& cell : now) core.release(cell->tid);
       drain();
     }
   }
@@ -141,9 +223,21 @@ struct Engine : std::enable_shared_from_this<Engine> {
     for (int64_t t : evicted) free_value(t);
     for (int64_t t : dropped_tids) {
       if (t < static_cast<int64_t>(values.size())) values[t] = at::Tensor();
+      if (t < static_cast<int64_t>(output_of.size()) && output_of[t].first >= 0) {
+        // its id may be reused: the recipe that made it must not write there any more
+        auto [r, k] = output_of[t];
+        if (r < static_cast<int64_t>(recipes.size()) && k < recipes[r].out_tids.size() &&
+            recipes[r].out_tids[k] == t)
+          recipes[r].out_tids[k] = -1;
+        output_of[t] = {-1, 0};
+      }
       if (t < static_cast<int64_t>(const_storage.size()) && const_storage[t]) {
         const_tid.erase(const_storage[t].unsafeGetStorageImpl());
         const_storage[t] = c10::Storage();
+      }
+      if (t < static_cast<int64_t>(escaped_storage.size()) && escaped_storage[t]) {
+        escaped.erase(escaped_storage[t]);
+        escaped_storage[t] = nullptr;
       }
     }
     for (int64_t r : dropped_recipes)
@@ -169,6 +263,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
 
   // ---- constants (Runtime._constant): one per storage, counted while a recipe reads it
   int64_t constant(const at::Tensor& t, std::vector<int64_t>& fresh) {
+    if (t.requires_grad() && at::GradMode::is_enabled()) hook_leaf(t);
     const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
     auto it = const_tid.find(s);
     if (it != const_tid.end()) return it->second;
@@ -185,47 +280,120 @@ struct Engine : std::enable_shared_from_this<Engine> {
     dtr::invalidate(core, seeds, [&](int64_t t) { rematerialize(t); }, [&] { drain(); });
   }
   void writes_to_plain(const at::Tensor& t) {
-    auto it = const_tid.find(t.storage().unsafeGetStorageImpl());
+    const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+    auto it = const_tid.find(s);
     if (it != const_tid.end() && core.has_consumers(it->second)) invalidate({it->second});
+    auto out = escaped.find(s);  // a value handed out plain (a gradient clipped in place)
+    if (out != escaped.end()) invalidate(core.members(out->second));
+  }
+
+  // Called for a plain tensor an op reads under grad mode: the leaf it is (or views) gets
+  // Python's hook, so that a gradient accumulated into its .grad is handed out plain.
+  void hook_leaf(const at::Tensor& t) {
+    if (!leaf_hook) return;
+    const at::TensorBase& leaf = t.is_leaf() ? t : t._base();
+    if (!leaf.defined() || !leaf.is_leaf() || !leaf.requires_grad()) return;
+    const c10::TensorImpl* impl = leaf.unsafeGetTensorImpl();
+    auto it = hooked.find(impl);
+    if (it != hooked.end() && !it->second.expired()) return;
+    if (hooked.size() >= 2 * prune_hooked_at) {  // input leaves add one per step
+      for (auto h = hooked.begin(); h != hooked.end();)
+        h = h->second.expired() ? hooked.erase(h) : std::next(h);
+      prune_hooked_at = std::max<size_t>(64, hooked.size());
+    }
+    hooked.insert_or_assign(impl, c10::weak_intrusive_ptr<c10::TensorImpl>(leaf.getIntrusivePtr()));
+    py::gil_scoped_acquire gil;
+    leaf_hook(at::Tensor(leaf));
   }
 
   // ---- Driver.rematerialize (csrc/protocol.h)
   void rematerialize(int64_t tid) {
-    dtr::rematerialize(
-        core, tid, [&](int64_t rid) { core.remat_done(rid, rerun(rid), {}); },
-        [&](int64_t, int64_t need) {
-          throw c10::OutOfMemoryError(
-              {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-              "dtr: the budget (" + std::to_string(core.budget) +
-                  " bytes) cannot hold a recomputation's " + std::to_string(need) +
-                  " bytes: " + std::to_string(core.resident_bytes) + " bytes resident, " +
-                  std::to_string(core.pinned_bytes()) + " pinned, " +
-                  std::to_string(core.constant_bytes()) + " constants, " +
-                  std::to_string(core.locked_bytes()) + " locked");
-        },
-        [&] { drain(); });
+    try {
+      dtr::rematerialize(
+          core, tid, [&](int64_t rid) { rerun(rid); },
+          [&](int64_t, int64_t need) {
+            throw c10::OutOfMemoryError(
+                {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                "dtr: the budget (" + std::to_string(core.budget) +
+                    " bytes) cannot hold a recomputation's " + std::to_string(need) +
+                    " bytes: " + std::to_string(core.resident_bytes) + " bytes resident, " +
+                    std::to_string(core.pinned_bytes()) + " pinned, " +
+                    std::to_string(core.constant_bytes()) + " constants, " +
+                    std::to_string(core.locked_bytes()) + " locked");
+          },
+          [&] { drain(); });
+    } catch (...) {
+      if (steal_broken) {
+        // The old version's storage may hold part of the new value while the core counts
+        // it resident (Runtime._after_interrupted_steal): evict all that can be rebuilt.
+        steal_broken = false;
+        core.evict_all();
+        drain();
+      }
+      throw;
+    }
   }
 
-  std::vector<int64_t> rerun(int64_t rid) {
+  // Rerun recipe rid (its inputs materialized and locked) and tell the core. A new
+  // version is computed in a copy of the old value's storage, or in that storage itself
+  // when the core allows it (Core::steals: nothing else will read the old value).
+  void rerun(int64_t rid) {
     Recipe& rec = recipes.at(rid);
     for (auto& [t, version] : rec.plain)
       if (t._version() != version)
         throw std::runtime_error(
             "dtr: a tensor this recomputation reads was written in place where dtr could not "
             "see it (another thread, or code outside any op)");
+    const std::vector<int64_t> stolen = core.steals(rid);
+    std::vector<at::Tensor> filled(rec.slots.size());
+    for (size_t q = 0; q < rec.slots.size(); ++q) filled[q] = values.at(rec.slots[q].tid);
+    for (size_t k = 0; k < rec.outs.size(); ++k) {
+      const int64_t q = rec.outs[k].slot;
+      if (q < 0) continue;
+      bool steal = false;
+      for (int64_t x : stolen) steal = steal || x == static_cast<int64_t>(k);
+      if (!steal) filled[q] = copy_storage(filled[q]);
+    }
     torch::jit::Stack stack(rec.args.begin(), rec.args.end());
-    for (const Slot& s : rec.slots) set_item(stack[s.arg], s.item, values.at(s.tid));
+    for (size_t q = 0; q < rec.slots.size(); ++q)
+      set_item(stack[rec.slots[q].arg], rec.slots[q].item, filled[q]);
+    for (auto [arg, item] : rec.scratch) {
+      const c10::IValue& iv = stack[arg];
+      const at::Tensor t = item < 0            ? iv.toTensor()
+                           : iv.isTensorList() ? iv.toTensorList().get(item)
+                                               : iv.toList().get(item).toTensor();
+      set_item(stack[arg], item, copy_storage(t));
+    }
     auto start = std::chrono::steady_clock::now();
-    {
-      at::AutoGradMode grad(rec.grad);
-      call_below(*rec.op, &stack);
+    steal_broken = !stolen.empty();
+    if (rec.gen) {
+      at::Generator& gen = *rec.gen;
+      at::Tensor now;
+      {
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        now = gen.get_state();
+        gen.set_state(rec.rng_state);
+      }
+      try {
+        call_below(*rec.op, &stack, rec.grad);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        gen.set_state(now);
+        throw;
+      }
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(now);  // the program's random stream goes on where it was
+    } else {
+      call_below(*rec.op, &stack, rec.grad);
     }
     recompute_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::vector<int64_t> nbytes;
     for (size_t k = 0; k < rec.outs.size(); ++k) {
-      auto [i, j] = rec.outs[k];
-      at::Tensor fresh = j < 0 ? stack[i].toTensor() : stack[i].toTensorList().get(j);
+      const Out& o = rec.outs[k];
+      at::Tensor fresh = o.slot >= 0  ? filled[o.slot]
+                         : o.item < 0 ? stack[o.ret].toTensor()
+                                      : stack[o.ret].toTensorList().get(o.item);
       int64_t tid = rec.out_tids[k];
       nbytes.push_back(static_cast<int64_t>(fresh.storage().nbytes()));
       if (tid < 0 || tid >= static_cast<int64_t>(values.size()) || !values[tid].defined()) continue;
@@ -233,22 +401,32 @@ struct Engine : std::enable_shared_from_this<Engine> {
       c10::StorageImpl* src = fresh.storage().unsafeGetStorageImpl();
       if (dst == src || dst->_mutable_data_ptr_no_checks().get() != nullptr) continue;
       if (src->nbytes() != dst->nbytes())
-        throw std::runtime_error("dtr: a recomputation made a storage of another size");
+        throw std::runtime_error("dtr: recomputing " + rec.op->schema().name() +
+                                 " made a storage of " + std::to_string(src->nbytes()) +
+                                 " bytes where the first run made " +
+                                 std::to_string(dst->nbytes()));
       at::DataPtr data = src->set_data_ptr(at::DataPtr(nullptr, src->device()));
       dst->clear_data_ptr_access_error_msg_();
       dst->set_data_ptr_noswap(std::move(data));
     }
-    return nbytes;
+    core.remat_done(rid, nbytes, stolen);
+    steal_broken = false;
   }
 
-  static void call_below(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-    // Below autograd (the managed tensor's own autograd key recorded the graph), and
-    // without the session's PrivateUse1 key: the kernels see plain tensors only.
-    auto local = c10::impl::tls_local_dispatch_key_set();
-    c10::impl::ForceDispatchKeyGuard guard(
-        local.included_.remove_backend(c10::BackendComponent::PrivateUse1Bit),
-        local.excluded_ | c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+  static void call_below(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool grad) {
+    Below below;
+    at::AutoGradMode mode(grad);
     op.callBoxed(stack);
+  }
+
+  // The old value of a tensor that just got a new version (Core::version moved it, with
+  // the other members of its pool, to a fresh evicted pool): the storage is the new
+  // version's now, so the old members get one of their own, empty until recomputed.
+  void detach_old_version(int64_t old) {
+    c10::Storage fresh = empty_storage(values.at(old).storage().nbytes(), values[old].device());
+    for (int64_t m : core.members(old))
+      if (m < static_cast<int64_t>(values.size()) && values[m].defined())
+        values[m] = over(values[m], fresh);
   }
 
   void close() {
@@ -271,9 +449,13 @@ struct Engine : std::enable_shared_from_this<Engine> {
     }
     open = false;
     recipes.clear();
+    output_of.clear();
     values.clear();  // the program's tensors keep their own storages
     const_tid.clear();
     const_storage.clear();
+    escaped.clear();
+    escaped_storage.clear();
+    hooked.clear();
     {
       std::lock_guard<std::mutex> p(pending_mu);
       pending.clear();
@@ -290,7 +472,7 @@ struct NativeImpl final : public c10::TensorImpl {
       : c10::TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), value.dtype(),
                         value.device()),
         eng_(std::move(eng)),
-        tid_(tid) {
+        cell_(std::make_shared<Cell>(Cell{tid})) {
     storage_ = value.storage();
     sizes_and_strides_.set_sizes(value.sizes());
     sizes_and_strides_.set_strides(value.strides());
@@ -299,15 +481,15 @@ struct NativeImpl final : public c10::TensorImpl {
     refresh_contiguous();
   }
   ~NativeImpl() override {
-    if (eng_ && tid_ >= 0 && eng_->open) eng_->dropped(tid_);
+    if (eng_ && cell_ && eng_->open) eng_->dropped(std::move(cell_));
   }
 
   template <typename VC>
   c10::intrusive_ptr<c10::TensorImpl> copy_core(VC&& vc, bool allow_meta_change) const {
     auto impl = c10::make_intrusive<NativeImpl>(Empty{}, eng_, key_set_, data_type_, device_opt_);
     copy_tensor_metadata(this, impl.get(), std::forward<VC>(vc), allow_meta_change);
-    impl->tid_ = tid_;
-    if (eng_ && tid_ >= 0) eng_->retain(tid_);  // the copy holds a handle of its own
+    impl->cell_ = cell_;
+    if (eng_ && cell_) eng_->retain(*cell_);  // the copy holds a handle of its own
     impl->refresh_numel();
     impl->refresh_contiguous();
     return impl;
@@ -324,22 +506,23 @@ struct NativeImpl final : public c10::TensorImpl {
     auto* other = dynamic_cast<NativeImpl*>(impl.get());
     TORCH_CHECK(other != nullptr, "dtr: assigning a plain tensor's data to a managed one");
     copy_tensor_metadata(impl.get(), this, version_counter(), allow_tensor_metadata_change());
-    if (other->eng_ && other->tid_ >= 0) other->eng_->retain(other->tid_);
-    if (eng_ && tid_ >= 0) eng_->dropped(tid_);
+    if (other->eng_ && other->cell_) other->eng_->retain(*other->cell_);
+    if (eng_ && cell_) eng_->dropped(cell_);
     eng_ = other->eng_;
-    tid_ = other->tid_;
+    cell_ = other->cell_;
     refresh_numel();
     refresh_contiguous();
   }
   const char* tensorimpl_type_name() const override { return "dtr.NativeImpl"; }
+  int64_t tid() const { return cell_->tid; }
 
   struct Empty {};
   NativeImpl(Empty, std::shared_ptr<Engine> eng, c10::DispatchKeySet ks, caffe2::TypeMeta dtype,
              std::optional<c10::Device> device)
-      : c10::TensorImpl(ks, dtype, device), eng_(std::move(eng)), tid_(-1) {}
+      : c10::TensorImpl(ks, dtype, device), eng_(std::move(eng)) {}
 
   std::shared_ptr<Engine> eng_;
-  int64_t tid_;
+  std::shared_ptr<Cell> cell_;  // shared with every copy naming the same tensor
 };
 
 inline NativeImpl* as_native(const at::Tensor& t) {
@@ -350,11 +533,35 @@ inline NativeImpl* as_native(const at::Tensor& t) {
 
 // A plain tensor over a managed one's storage and metadata (after the block, or a
 // tensor of another session).
-at::Tensor plain_view(const at::Tensor& t) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(
-      c10::Storage(t.storage()), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
-  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-  return at::Tensor(std::move(impl));
+at::Tensor plain_view(const at::Tensor& t) { return over(t, t.storage()); }
+
+// A managed tensor's value handed out as a plain tensor over the same storage, to live on
+// outside the engine (a gradient in .grad: Runtime.export). Its pool is pinned: memory the
+// program can write behind the engine's back is never evicted or recomputed, and its
+// readers are invalidated when the program writes it through an op (writes_to_plain).
+at::Tensor export_value(Engine& e, const at::Tensor& t) {
+  NativeImpl* impl = as_native(t);
+  if (impl == nullptr) return t;
+  std::lock_guard<std::recursive_mutex> g(e.mu);
+  if (impl->eng_.get() != &e || !e.open) return plain_view(t);
+  e.flush();
+  const int64_t tid = impl->tid();
+  e.core.lock(tid);
+  try {
+    if (!e.resident(tid)) e.rematerialize(tid);
+  } catch (...) {
+    e.core.unlock(tid);
+    e.drain();
+    throw;
+  }
+  e.core.unlock(tid);
+  e.core.pin(tid);
+  const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  e.escaped[s] = tid;
+  if (static_cast<int64_t>(e.escaped_storage.size()) <= tid) e.escaped_storage.resize(tid + 1);
+  e.escaped_storage[tid] = s;
+  e.drain();
+  return plain_view(t);
 }
 
 struct Leaf {
@@ -383,11 +590,83 @@ void for_each_tensor(torch::jit::Stack* stack, size_t begin, size_t n, F f) {
   }
 }
 
+bool contains(const std::vector<int64_t>& v, int64_t x) {
+  for (int64_t y : v)
+    if (y == x) return true;
+  return false;
+}
+
+bool returns_tensors(const c10::Argument& r) {
+  const c10::TypePtr& t = r.type();
+  return t->isSubtypeOf(*c10::TensorType::get()) ||
+         t->isSubtypeOf(*c10::OptionalType::ofTensor()) ||
+         t->isSubtypeOf(*c10::ListType::ofTensors()) ||
+         t->isSubtypeOf(*c10::ListType::ofOptionalTensors());
+}
+
+// The generator a random op draws from: its `generator` argument, else the CPU default.
+at::Generator generator_of(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
+                           size_t begin) {
+  for (size_t i = 0; i < schema.arguments().size(); ++i)
+    if (schema.arguments()[i].name() == "generator" && stack[begin + i].isGenerator())
+      return stack[begin + i].toGenerator();
+  return at::detail::getDefaultCPUGenerator();
+}
+
 [[noreturn]] void refuse(const c10::OperatorHandle& op, const std::string& why) {
   throw c10::NotImplementedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                                  "dtr: the native engine does not serve " + op.schema().name() +
                                      " yet (" + why +
                                      "); use dtr.enable() (the default engine) for this program");
+}
+
+// ---------------------------------------------------------------- facts per op
+// What the fallback needs to know of an op on every call, read from its schema once per
+// thread (dtr/schema.py's OpFacts, the part this engine uses).
+struct OpFacts {
+  std::vector<size_t> written;  // argument positions its schema says it writes
+  bool view = false;            // every return aliases an argument it does not write
+  bool other_returns = false;   // a tensor result that is not a written argument
+  bool seeded = false;          // draws random numbers
+  bool reshapes = false;        // changes its argument's shape or storage in place
+  bool meta_only = false;       // reads only its tensors' metadata (empty_like, ...)
+  bool bn_hidden_writes = false;
+};
+
+OpFacts make_facts(const c10::OperatorHandle& op) {
+  static const std::unordered_set<std::string> kMetaOnly = {
+      "aten::empty_like",        "aten::zeros_like", "aten::ones_like",    "aten::full_like",
+      "aten::rand_like",         "aten::randn_like", "aten::randint_like", "aten::new_empty",
+      "aten::new_empty_strided", "aten::new_zeros",  "aten::new_ones",     "aten::new_full"};
+  static const std::unordered_set<std::string> kBatchNorm = {
+      "aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"};
+  const auto& schema = op.schema();
+  OpFacts f;
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    const auto* alias = schema.arguments()[i].alias_info();
+    if (alias != nullptr && alias->isWrite()) f.written.push_back(i);
+  }
+  f.view = !schema.returns().empty();
+  for (const auto& r : schema.returns()) {
+    if (r.alias_info() == nullptr || r.alias_info()->isWrite()) f.view = false;
+    if ((r.alias_info() == nullptr || !r.alias_info()->isWrite()) && returns_tensors(r))
+      f.other_returns = true;
+  }
+  f.seeded = op.hasTag(at::Tag::nondeterministic_seeded);
+  const std::string& name = schema.name();
+  f.reshapes = op.hasTag(at::Tag::inplace_view) || name == "aten::resize_" ||
+               name == "aten::resize_as_" || name == "aten::set_";
+  f.meta_only = kMetaOnly.count(name) > 0;
+  f.bn_hidden_writes = kBatchNorm.count(name) > 0;
+  return f;
+}
+
+const OpFacts& facts_of(const c10::OperatorHandle& op) {
+  thread_local std::unordered_map<const c10::FunctionSchema*, OpFacts> cache;
+  const c10::FunctionSchema* key = &op.schema();
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  return cache.emplace(key, make_facts(op)).first->second;
 }
 
 // ---------------------------------------------------------------- the fallback
@@ -416,10 +695,12 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
         set_item((*stack)[begin + l.arg], l.item, l.tensor);
       }
   wants = wants && at::GradMode::is_enabled();
-  std::vector<size_t> written;  // argument positions the op writes
-  for (size_t i = 0; i < n; ++i) {
-    const auto* alias = schema.arguments()[i].alias_info();
-    if (alias != nullptr && alias->isWrite()) written.push_back(i);
+  const OpFacts& facts = facts_of(op);
+  std::vector<size_t> written = facts.written;  // argument positions the op writes
+  if (facts.bn_hidden_writes && stack->size() >= begin + 6 && (*stack)[begin + 5].isBool() &&
+      (*stack)[begin + 5].toBool() && (*stack)[begin + 3].isTensor()) {
+    written.push_back(3);  // native_batch_norm in training updates its running statistics
+    written.push_back(4);  // without a (a!) in its schema (dtr/schema.py, _HIDDEN_WRITES)
   }
   auto is_written = [&](size_t i) {
     for (size_t w : written)
@@ -427,17 +708,14 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     return false;
   };
   // A view of plain tensors stays plain (a parameter's t() in a linear layer).
-  bool view = !schema.returns().empty();
-  for (const auto& r : schema.returns())
-    if (r.alias_info() == nullptr || r.alias_info()->isWrite()) view = false;
-  if (!eng || !eng->open || (!managed && (!wants || view))) {
+  if (!eng || !eng->open || (!managed && (!wants || facts.view))) {
     if (eng && eng->open && !written.empty()) {
       std::lock_guard<std::recursive_mutex> g(eng->mu);
       eng->flush();
       for (const Leaf& l : leaves)
         if (is_written(l.arg)) eng->writes_to_plain(l.tensor);
     }
-    Engine::call_below(op, stack);
+    Engine::call_below(op, stack, at::GradMode::is_enabled());
     return;
   }
   Engine& e = *eng;
@@ -446,96 +724,147 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   bool writes_managed = false;
   for (const Leaf& l : leaves) {
     if (l.native && is_written(l.arg)) writes_managed = true;
-    if (l.tensor.defined() && !l.tensor.is_cpu()) refuse(op, "v0 manages CPU tensors only");
+    if (l.tensor.defined() && !l.tensor.is_cpu()) refuse(op, "it manages CPU tensors only");
   }
-  const std::string& name = schema.name();
-  if (writes_managed && (op.hasTag(at::Tag::inplace_view) || name == "aten::resize_" ||
-                         name == "aten::resize_as_" || name == "aten::set_"))
+  if (writes_managed && facts.reshapes)
     refuse(op, "it changes a managed tensor's shape or storage in place");
-  // Random ops are not replayed yet: their results are plain tensors (never evicted;
-  // counted while a recipe reads them), so nothing needs their generator state again.
-  const bool seeded = op.hasTag(at::Tag::nondeterministic_seeded);
+  const bool seeded = facts.seeded;
+  const bool other_returns = facts.other_returns;
   Core& core = e.core;
-  std::vector<int64_t> fresh, locked;
+  std::vector<int64_t> fresh, locked, held;
   auto finish = [&] {
     for (int64_t t : locked) core.unlock(t);
     for (int64_t t : fresh) core.release(t);
+    for (int64_t t : held) core.release(t);
     locked.clear();
     fresh.clear();
+    held.clear();
   };
   try {
     // inputs: managed ones locked and rebuilt if evicted; plain ones registered as constants
     std::vector<int64_t> tids(leaves.size(), -1);
+    std::vector<at::Tensor> passed(leaves.size());  // what the kernel gets
+    if (facts.meta_only) {
+      // empty_like(x) and kin (Runtime._run_meta_only): x's value is neither read nor kept,
+      // by this call or its recomputation, so they get a stand-in with x's metadata and
+      // no data (a kernel reading it would raise kEvictedMsg)
+      for (size_t k = 0; k < leaves.size(); ++k) {
+        const at::Tensor& t = leaves[k].tensor;
+        if (!t.defined()) continue;
+        passed[k] = over(t, empty_storage(t.storage().nbytes(), t.device()));
+        set_item((*stack)[begin + leaves[k].arg], leaves[k].item, passed[k]);
+      }
+    }
     for (size_t k = 0; k < leaves.size(); ++k) {
       Leaf& l = leaves[k];
-      if (l.native) {
-        tids[k] = l.native->tid_;
+      if (l.native && !facts.meta_only) {
+        tids[k] = l.native->tid();
         core.lock(tids[k]);
         locked.push_back(tids[k]);
       }
     }
     for (size_t k = 0; k < leaves.size(); ++k) {
       Leaf& l = leaves[k];
+      if (facts.meta_only) continue;
       if (!l.native) {
         if (l.tensor.defined() && !is_written(l.arg)) tids[k] = e.constant(l.tensor, fresh);
+        passed[k] = l.tensor;
         continue;
       }
       if (!e.resident(tids[k])) e.rematerialize(tids[k]);
-      set_item((*stack)[begin + l.arg], l.item, e.values[tids[k]]);
+      passed[k] = e.values[tids[k]];
+      set_item((*stack)[begin + l.arg], l.item, passed[k]);
     }
-    const bool record = written.empty() && !seeded;
-    // An in-place write to a managed tensor: no version yet (step 3), so the tensor and
-    // everything whose lineage reads it are materialized and pinned first (Invariant 4,
-    // the aliased case): no recipe will read the old value again.
+    // In-place writes (Invariant 4, Runtime._prepare_writes): a managed tensor that is the
+    // only one of its storage the program holds gets a new version (its old value keeps
+    // its lineage); any other written tensor has what reads it materialized and pinned.
+    std::vector<size_t> versioned, invalid;
     for (size_t k = 0; k < leaves.size(); ++k) {
-      const Leaf& l = leaves[k];
-      if (!is_written(l.arg)) continue;
-      if (l.native) {
+      if (!is_written(leaves[k].arg) || !leaves[k].tensor.defined()) continue;
+      if (leaves[k].native) {
+        int times = 0;
+        for (size_t q = 0; q < leaves.size(); ++q)
+          if (leaves[q].native && is_written(leaves[q].arg) && tids[q] == tids[k]) ++times;
+        if (times == 1 && core.is_private(tids[k])) {
+          versioned.push_back(k);
+          continue;
+        }
+      }
+      invalid.push_back(k);
+    }
+    if (!invalid.empty())
+      // invalidating can drop a constant this op reads (written views of one storage
+      // share it): each is held until the op ends
+      for (size_t k = 0; k < leaves.size(); ++k)
+        if (!leaves[k].native && tids[k] >= 0 && !contains(fresh, tids[k])) {
+          core.retain(tids[k]);
+          held.push_back(tids[k]);
+        }
+    for (size_t k : invalid) {
+      if (leaves[k].native) {
         e.invalidate(core.members(tids[k]));
       } else {
-        e.writes_to_plain(l.tensor);
+        e.writes_to_plain(leaves[k].tensor);
       }
+    }
+    const bool record = other_returns || !versioned.empty();
+    // A recipe reads the value a written argument without a version had before the op:
+    // a copy, taken now (batch norm's running statistics).
+    std::vector<int64_t> snap_tid(leaves.size(), -1);
+    std::vector<at::Tensor> snap(leaves.size());
+    if (record)
+      for (size_t k : invalid) {
+        snap[k] = copy_storage(passed[k]);
+        snap_tid[k] = e.constant(snap[k], fresh);
+      }
+    // A random op replays from its generator's state before it ran (Invariant 1); the
+    // saved state is memory its recipe holds, counted as a constant.
+    std::optional<at::Generator> gen;
+    at::Tensor rng_state;
+    if (record && seeded) {
+      gen = generator_of(schema, *stack, begin);
+      std::lock_guard<std::mutex> lock(gen->mutex());
+      rng_state = gen->get_state();
     }
     std::vector<c10::IValue> args;  // the recipe's (recorded ops only)
     if (record) args.assign(stack->begin() + begin, stack->end());
     auto start = std::chrono::steady_clock::now();
-    Engine::call_below(op, stack);
+    Engine::call_below(op, stack, at::GradMode::is_enabled());
     double cost = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (!record) {  // a write (an optimizer reading managed gradients), or a random op
-      // the program gets back the managed tensors it wrote, not their plain values
-      const size_t nret = schema.returns().size();
-      for (size_t i = stack->size() - nret; i < stack->size(); ++i) {
-        c10::IValue& r = (*stack)[i];
-        if (!r.isTensor()) continue;
-        for (size_t k = 0; k < leaves.size(); ++k)
-          if (leaves[k].native && is_written(leaves[k].arg) &&
-              r.toTensor().is_same(e.values[tids[k]])) {
-            r = leaves[k].tensor;
-            break;
-          }
-      }
-      finish();
-      e.drain();
-      return;
-    }
-    // outputs: a view of an input (same storage), of an earlier output, or fresh
+    // outputs: an argument written in place (the program gets its own tensor back), a
+    // view of an input (same storage) or of an earlier output, or fresh
     const size_t nret = schema.returns().size();
     const size_t rbegin = stack->size() - nret;
     std::vector<int64_t> kinds, refs, nbytes;
-    std::vector<std::pair<size_t, int64_t>> outs;
+    std::vector<Out> outs;
     std::vector<at::Tensor> produced;
     std::vector<const c10::StorageImpl*> fresh_storage;
+    for (size_t k : versioned) {
+      kinds.push_back(kVersion);
+      refs.push_back(tids[k]);
+      nbytes.push_back(0);
+      outs.push_back({0, -1, -1});  // its slot is set with the recipe's
+      produced.push_back(passed[k]);
+      fresh_storage.push_back(nullptr);
+    }
     for (size_t i = 0; i < nret; ++i) {
       auto take = [&](int64_t j, const at::Tensor& t) {
         if (!t.defined() || t.layout() != c10::kStrided) return;
+        for (size_t k = 0; k < leaves.size(); ++k)
+          if (is_written(leaves[k].arg) && passed[k].defined() && t.is_same(passed[k])) {
+            set_item((*stack)[rbegin + i], j, leaves[k].tensor);
+            return;
+          }
         const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
         int64_t src = -1;  // the last input sharing its storage (a managed tensor shares
                            // its value's)
         for (size_t k = leaves.size(); k-- > 0;)
-          if (tids[k] >= 0 && leaves[k].tensor.storage().unsafeGetStorageImpl() == s) {
+          if (passed[k].defined() && passed[k].storage().unsafeGetStorageImpl() == s) {
             src = static_cast<int64_t>(k);
             break;
           }
+        if (src >= 0 && is_written(leaves[src].arg))
+          refuse(op, "it returns a view of a tensor it writes in place");
         int64_t earlier = -1;
         for (size_t q = 0; q < fresh_storage.size(); ++q)
           if (fresh_storage[q] == s) earlier = static_cast<int64_t>(q);
@@ -556,7 +885,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
           nbytes.push_back(static_cast<int64_t>(t.storage().nbytes()));
           fresh_storage.push_back(s);
         }
-        outs.emplace_back(i, j);
+        outs.push_back({i, j, -1});
         produced.push_back(t);
       };
       const c10::IValue& r = (*stack)[rbegin + i];
@@ -567,44 +896,69 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
         for (size_t j = 0; j < l.size(); ++j) take(static_cast<int64_t>(j), l.get(j));
       }
     }
-    std::vector<int64_t> out_tids;
+    std::vector<int64_t> protect;  // the fresh outputs, protected while settling
     if (!kinds.empty()) {
       std::vector<int64_t> inputs;
       Recipe rec;
       rec.op = op;
       rec.grad = at::GradMode::is_enabled();
+      std::vector<int64_t> slot_of(leaves.size(), -1);
       for (size_t k = 0; k < leaves.size(); ++k) {
-        if (tids[k] < 0) continue;
-        inputs.push_back(tids[k]);
-        if (leaves[k].native) {
+        if (snap_tid[k] >= 0) {
+          inputs.push_back(snap_tid[k]);
+          rec.plain.emplace_back(snap[k], snap[k]._version());
+          set_item(args[leaves[k].arg], leaves[k].item, snap[k]);
+          rec.scratch.emplace_back(leaves[k].arg, leaves[k].item);
+        } else if (leaves[k].native && tids[k] >= 0) {
+          inputs.push_back(tids[k]);
+          slot_of[k] = static_cast<int64_t>(rec.slots.size());
           rec.slots.push_back({leaves[k].arg, leaves[k].item, tids[k]});
-        } else {
+        } else if (tids[k] >= 0) {
+          inputs.push_back(tids[k]);
           rec.plain.emplace_back(leaves[k].tensor, leaves[k].tensor._version());
         }
       }
+      if (gen) {
+        inputs.push_back(e.constant(rng_state, fresh));
+        rec.gen = gen;
+        rec.rng_state = rng_state;
+      }
+      for (size_t v = 0; v < versioned.size(); ++v) outs[v].slot = slot_of[versioned[v]];
       // the recipe holds no managed value: its slots are filled at each replay
       rec.args = std::move(args);
       for (const Slot& s : rec.slots) set_item(rec.args[s.arg], s.item, at::Tensor());
       rec.outs = outs;
-      out_tids = core.record(inputs, cost, kinds, refs, nbytes);
+      const std::vector<int64_t> out_tids = core.record(inputs, cost, kinds, refs, nbytes);
       rec.out_tids = out_tids;
       int64_t rid = core.recipe_of(out_tids[0]);
       if (static_cast<int64_t>(e.recipes.size()) <= rid) e.recipes.resize(rid + 1);
       e.recipes[rid] = std::move(rec);
-      for (size_t q = 0; q < out_tids.size(); ++q) e.set(e.values, out_tids[q], produced[q]);
-      // the program's result: managed tensors for the recorded outputs
       for (size_t q = 0; q < out_tids.size(); ++q) {
-        auto [i, j] = outs[q];
+        if (static_cast<int64_t>(e.output_of.size()) <= out_tids[q])
+          e.output_of.resize(out_tids[q] + 1, {-1, 0});
+        e.output_of[out_tids[q]] = {rid, q};
+        if (outs[q].slot >= 0) {  // a new version: the program's tensor names it now
+          e.detach_old_version(refs[q]);
+          leaves[versioned[q]].native->cell_->tid = out_tids[q];  // versions come first
+        } else {
+          protect.push_back(out_tids[q]);
+        }
+        e.set(e.values, out_tids[q], produced[q]);
+      }
+      // the program's result: managed tensors for the recorded fresh outputs
+      for (size_t q = 0; q < out_tids.size(); ++q) {
+        if (outs[q].slot >= 0) continue;
         at::Tensor w = at::detail::make_tensor<NativeImpl>(eng, out_tids[q], produced[q]);
-        set_item((*stack)[rbegin + i], j, w);
+        set_item((*stack)[rbegin + outs[q].ret], outs[q].item, w);
       }
     }
     finish();
     e.drain();
+    if (!record) return;
     // the op boundary (Runtime._settle): its fresh outputs protected while choosing
-    for (int64_t t : out_tids) core.lock(t);
+    for (int64_t t : protect) core.lock(t);
     bool ok = core.make_room(0);
-    for (int64_t t : out_tids) core.unlock(t);
+    for (int64_t t : protect) core.unlock(t);
     e.drain();
     if (!ok)
       throw c10::OutOfMemoryError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
@@ -667,10 +1021,20 @@ void bind(py::module_& m) {
                self->close();
              } catch (...) {
                deactivate();
+               self->leaf_hook = py::object();
                throw;
              }
              deactivate();
+             self->leaf_hook = py::object();
            })
+      .def("set_leaf_hook", [](Engine& e, py::function f) { e.leaf_hook = std::move(f); })
+      .def(
+          "export",
+          [](Engine& e, const at::Tensor& t) {
+            py::gil_scoped_release nogil;
+            return export_value(e, t);
+          },
+          py::arg("tensor"))
       .def_property_readonly("open", [](Engine& e) { return e.open.load(); })
       .def("stats",
            [](Engine& e) {

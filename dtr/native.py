@@ -6,10 +6,12 @@ route").
         train()
     print(session.stats())
 
-What it serves and what it refuses is in csrc/native.cpp's header: ops that write
-nothing, views, plain ops, writes to plain tensors; a write to a managed tensor or a
-random op raises NotImplementedError naming the op. Traces, timelines, stress mode and
-the simulator are the default engine's (dtr.enable).
+What it serves and what it refuses is in csrc/native.cpp's header: it serves ops that
+write nothing, views, plain ops, in-place writes (new versions, as the default engine's)
+and random ops (replayed from their generator's state); it refuses, naming the op,
+in-place ops that change a managed tensor's shape or storage, and tensors off the CPU.
+Gradients accumulated into a leaf's .grad are handed out plain. Traces, timelines,
+stress mode and the simulator are the default engine's (dtr.enable).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class NativeSession:
         self.seed = seed
         self._engine = None
         self._guard = None
+        self._hooks: list = []  # post-accumulate-grad hook handles, removed at exit
 
     def __enter__(self) -> NativeSession:
         _install()
@@ -69,6 +72,7 @@ class NativeSession:
         if session._active is not None:
             raise DTRError("dtr: dtr.enable() is active; the two engines do not nest")
         engine = _C.NativeEngine(self.heuristic, self.budget, self.seed)
+        engine.set_leaf_hook(self._hook_leaf)
         engine.activate()
         self._engine = engine
         self._guard = torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1)
@@ -79,7 +83,23 @@ class NativeSession:
         try:
             self._guard.__exit__(*exc)
         finally:
-            self._engine.close()
+            try:
+                self._engine.close()
+            finally:
+                for h in self._hooks:
+                    h.remove()
+                self._hooks.clear()
+
+    def _hook_leaf(self, leaf: torch.Tensor) -> None:
+        # Called by the engine once per leaf an op reads under grad mode.
+        self._hooks.append(leaf.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        # Optimizers see plain gradients, as under dtr.enable(); the value stays resident
+        # (pinned) while the engine still holds it.
+        grad = param.grad
+        if grad is not None and self._engine.open and is_managed(grad):
+            param.grad = self._engine.export(grad)
 
     def stats(self) -> Stats:
         """The same dtr.Stats as a dtr.enable() session's (core: "native")."""
