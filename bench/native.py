@@ -5,15 +5,22 @@ each engine's own unbudgeted peak, and reports step time relative to eager. Each
 measurement runs in a fresh process (CPU time, median of its timed steps), and the
 methods take turns, round after round: the order in which a process frees memory
 decides how often glibc hands pages back to the kernel and faults them in again, and
-one method's heap would otherwise be the next one's starting point. Writes
-bench/results/native.csv.
+one method's heap would otherwise be the next one's starting point.
 
-    python -m bench.native            # about eight minutes
+Each comparison runs twice: with glibc's allocator as it comes, and with its allocator
+held (GLIBC_TUNABLES raising the mmap and trim thresholds, for eager and the engines
+alike), where freed memory stays in the heap instead of going back to the kernel to be
+faulted in again. What differs between the two is the allocator's doing, not the
+engine's: the order in which an engine frees memory decides how often glibc faults
+(dtr/NOTES.md, "The floor at the step"). Writes bench/results/native.csv.
+
+    python -m bench.native            # about thirteen minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -23,6 +30,9 @@ import sys
 from .common import RESULTS, print_table, write_csv
 
 MODELS = ("mlp", "cnn", "lstm", "transformer", "tree")
+# glibc keeps freed memory in the heap: no block is mmapped on its own or trimmed
+HELD = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296"
+ALLOCATORS = ("glibc", "held")
 
 _CHILD = r"""
 import contextlib, json, resource, statistics, sys, time
@@ -72,8 +82,11 @@ print(json.dumps(out))
 """
 
 
-def _measure(name: str, method: str, ratio: float, steps: int) -> dict:
+def _measure(name: str, method: str, ratio: float, steps: int, allocator: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("GLIBC_TUNABLES", None)
+    if allocator == "held":
+        env["GLIBC_TUNABLES"] = HELD
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, name, method, str(ratio), str(steps)],
         capture_output=True,
@@ -87,32 +100,37 @@ def _measure(name: str, method: str, ratio: float, steps: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run(models, ratios, rounds: int, steps: int) -> list[dict]:
+def run(models, ratios, rounds: int, steps: int, allocators=ALLOCATORS) -> list[dict]:
     rows = []
-    for name in models:
-        for ratio in ratios:
-            methods = ["eager", "dtr", "native"] if ratio >= 1 else ["dtr", "native"]
-            got: dict[str, list[dict]] = {m: [] for m in methods}
-            for _ in range(rounds):
-                for method in methods:
-                    got[method].append(_measure(name, method, ratio, steps))
+    for name, allocator, ratio in itertools.product(models, allocators, ratios):
+        methods = ["eager", "dtr", "native"] if ratio >= 1 else ["dtr", "native"]
+        got: dict[str, list[dict]] = {m: [] for m in methods}
+        for _ in range(rounds):
             for method in methods:
-                ok = [r for r in got[method] if "error" in r] == []
-                row = dict(model=name, ratio=ratio, method=method)
-                if ok:
-                    row.update(
-                        seconds=statistics.median(r["seconds"] for r in got[method]),
-                        faults=statistics.median(r["faults_per_step"] for r in got[method]),
-                        evictions=got[method][-1]["evictions"],
-                        remats=got[method][-1]["remats"],
-                    )
-                else:
-                    row["error"] = next(r["error"] for r in got[method] if "error" in r)
-                rows.append(row)
-    eager = {r["model"]: r["seconds"] for r in rows if r["method"] == "eager" and "seconds" in r}
+                got[method].append(_measure(name, method, ratio, steps, allocator))
+        for method in methods:
+            ok = [r for r in got[method] if "error" in r] == []
+            row = dict(model=name, allocator=allocator, ratio=ratio, method=method)
+            if ok:
+                row.update(
+                    seconds=statistics.median(r["seconds"] for r in got[method]),
+                    faults=statistics.median(r["faults_per_step"] for r in got[method]),
+                    evictions=got[method][-1]["evictions"],
+                    remats=got[method][-1]["remats"],
+                )
+            else:
+                row["error"] = next(r["error"] for r in got[method] if "error" in r)
+            rows.append(row)
+    # against eager under the same allocator
+    eager = {
+        (r["model"], r["allocator"]): r["seconds"]
+        for r in rows
+        if r["method"] == "eager" and "seconds" in r
+    }
     for r in rows:
-        if "seconds" in r and r["model"] in eager:
-            r["x_eager"] = r["seconds"] / eager[r["model"]]
+        key = (r["model"], r["allocator"])
+        if "seconds" in r and key in eager:
+            r["x_eager"] = r["seconds"] / eager[key]
     return rows
 
 
@@ -124,18 +142,21 @@ def main(argv=None) -> None:
     parser.add_argument("--ratios", nargs="+", type=float, default=[1.0, 0.7])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per process")
+    parser.add_argument("--allocators", nargs="+", choices=ALLOCATORS, default=list(ALLOCATORS))
     args = parser.parse_args(argv)
-    rows = run(args.models, args.ratios, args.rounds, args.steps)
-    header = ["model", "budget", "method", "ms/step", "x eager", "faults/step", "evictions"]
+    rows = run(args.models, args.ratios, args.rounds, args.steps, args.allocators)
+    header = ["model", "allocator", "budget", "method", "ms/step", "x eager", "faults/step"]
+    header.append("evictions")
     table = []
     for r in rows:
         budget = "none" if r["ratio"] >= 1 else f"{r['ratio']:g} x own peak"
         if "error" in r:
-            table.append([r["model"], budget, r["method"], r["error"], "", "", ""])
+            table.append([r["model"], r["allocator"], budget, r["method"], r["error"], "", "", ""])
             continue
         table.append(
             [
                 r["model"],
+                r["allocator"],
                 budget,
                 r["method"],
                 f"{r['seconds'] * 1e3:.1f}",
@@ -147,7 +168,8 @@ def main(argv=None) -> None:
     print("\nthe native engine against eager and dtr (bench scale, Adam, one thread; medians)")
     print_table(header, table)
     path = os.path.join(RESULTS, "native.csv")
-    keys = ["model", "ratio", "method", "seconds", "x_eager", "faults", "evictions", "remats"]
+    keys = ["model", "allocator", "ratio", "method", "seconds", "x_eager", "faults"]
+    keys += ["evictions", "remats"]
     write_csv(path, keys + ["error"], [[r.get(k, "") for k in keys + ["error"]] for r in rows])
     print(f"\nwrote {path}")
 

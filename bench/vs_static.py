@@ -107,6 +107,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import dtr
+import dtr.native
 from dtr.plot import step_time_vs_memory
 
 from .common import (
@@ -365,9 +366,11 @@ def measure(
     context=None,
     optimizer: str = "adam",
     device: str = "cpu",
+    engine: str = "dtr",
 ) -> dict:
     """Train warmup + steps steps with make_loss(model) as batch -> loss (under
-    dtr.enable(**dtr_kwargs) unless None, and inside `context`), then one more step for
+    dtr.enable(**dtr_kwargs) unless None, or dtr.native.enable(**dtr_kwargs) with engine
+    "native", and inside `context`), then one more step for
     the peak: on the CPU under torch.profiler (its allocation events, plus the state alive
     before the step), on CUDA the caching allocator's max_memory_allocated over what was
     allocated before the model existed (the same things, counted by the allocator).
@@ -388,7 +391,9 @@ def measure(
         loss_fn = make_loss(model)
         torch.manual_seed(0)
         cpu, wall = [], []
-        session = dtr.enable(**dtr_kwargs) if dtr_kwargs is not None else None
+        session = None
+        if dtr_kwargs is not None:
+            session = (dtr.native.enable if engine == "native" else dtr.enable)(**dtr_kwargs)
         with context or contextlib.nullcontext(), session or contextlib.nullcontext():
             for i, batch in enumerate(data[:-1]):
                 sync()
@@ -414,6 +419,10 @@ def measure(
         out["step_s"] = statistics.median(wall if cuda else cpu)
         out["wall_s"] = statistics.median(wall)
     except dtr.BudgetError:
+        out["status"] = "infeasible"
+    except torch.OutOfMemoryError as exc:
+        if not str(exc).startswith("dtr:"):  # the native engine's budget: not a BudgetError
+            raise
         out["status"] = "infeasible"
     except Exception as exc:  # a method that does not run is a row, not a crash
         out["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
@@ -473,6 +482,7 @@ def compare(
     optimizer: str = "adam",
     verbose: bool = True,
     device: str = "cpu",
+    engine: str = "dtr",
 ) -> list[dict]:
     """Every method on one model; one dict per run (see the module's docstring)."""
     spec = MODELS[name]
@@ -482,7 +492,15 @@ def compare(
 
     def run(make_loss, **kwargs):
         return measure(
-            name, scale, steps, warmup, make_loss, optimizer=optimizer, device=device, **kwargs
+            name,
+            scale,
+            steps,
+            warmup,
+            make_loss,
+            optimizer=optimizer,
+            device=device,
+            engine=engine,
+            **kwargs,
         )
 
     def plain(model):
@@ -776,6 +794,13 @@ def main(argv=None) -> None:
     parser.add_argument("--heuristic", default="dtr", choices=list(dtr.HEURISTICS))
     parser.add_argument("--cost-model", default="time", choices=["time", "roofline"])
     parser.add_argument(
+        "--engine",
+        default="dtr",
+        choices=["dtr", "native"],
+        help="dtr's engine: dtr.enable() (default) or the experimental dtr.native.enable() "
+        "(CPU; no cost model option); results go to vs_static.native.csv",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads, all methods"
     )
     parser.add_argument("--optimizer", default="adam", choices=["sgd", "adam", "adamw"])
@@ -791,9 +816,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    if args.engine == "native" and (args.device != "cpu" or args.cost_model != "time"):
+        parser.error("--engine native: CPU only, with measured costs (no --cost-model)")
     if args.out is None:
         folder = os.path.join(RESULTS, "gpu") if args.device == "cuda" else RESULTS
-        args.out = os.path.join(folder, "vs_static.csv")
+        stem = "vs_static.native" if args.engine == "native" else "vs_static"
+        args.out = os.path.join(folder, stem + ".csv")
     if args.compile_budgets is None:
         args.compile_budgets = [] if args.quick else list(COMPILE_BUDGETS)
     torch.set_num_threads(args.threads)
@@ -810,10 +838,13 @@ def main(argv=None) -> None:
             args.compile_budgets,
             args.ratios,
             args.calibrate,
-            dict(heuristic=args.heuristic, cost_model=args.cost_model),
+            dict(heuristic=args.heuristic)
+            if args.engine == "native"
+            else dict(heuristic=args.heuristic, cost_model=args.cost_model),
             args.backend,
             args.optimizer,
             device=args.device,
+            engine=args.engine,
         )
     print()
     print_table(HEADER[:-1], [r[:-1] for r in table(rows)])

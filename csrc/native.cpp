@@ -1053,6 +1053,11 @@ void bind(py::module_& m) {
              d["search_seconds"] = e.core.search_seconds;
              return d;
            })
+      .def("reset_peak",
+           [](Engine& e) {
+             std::lock_guard<std::recursive_mutex> g(e.mu);
+             e.core.reset_peak();
+           })
       .def("check", [](Engine& e) {
         std::lock_guard<std::recursive_mutex> g(e.mu);
         e.core.check();

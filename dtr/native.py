@@ -101,6 +101,12 @@ class NativeSession:
         if grad is not None and self._engine.open and is_managed(grad):
             param.grad = self._engine.export(grad)
 
+    def reset_peak(self) -> None:
+        """Start the peak counters (peak_resident_bytes, max_transient_bytes) afresh."""
+        if self._engine is None or not self._engine.open:
+            raise DTRError("dtr: reset_peak() needs an active session")
+        self._engine.reset_peak()
+
     def stats(self) -> Stats:
         """The same dtr.Stats as a dtr.enable() session's (core: "native")."""
         return Stats(

@@ -98,6 +98,34 @@ def test_infeasible_budget_is_a_row():
     assert res["status"] == "infeasible" and res["peak"] is None
 
 
+def test_infeasible_budget_is_a_row_on_the_native_engine_too():
+    pytest.importorskip("dtr._C", reason="the native engine is C++")
+    loss = lambda model: lambda batch: MODELS["mlp"].loss(model, batch)  # noqa: E731
+    res = vs_static.measure("mlp", 1, 1, 0, loss, dtr_kwargs={"budget": 1000}, engine="native")
+    assert res["status"] == "infeasible" and res["peak"] is None
+    res = vs_static.measure("mlp", 1, 1, 0, loss, dtr_kwargs={}, engine="native")
+    assert res["status"] == "ok" and res["stats"].core == "native" and res["peak"] > 0
+
+
+def test_the_native_engine_end_to_end(tmp_path):
+    pytest.importorskip("dtr._C", reason="the native engine is C++")
+    out = tmp_path / "vs.csv"
+    vs_static.main(
+        ["--quick", "--models", "mlp", "--steps", "1", "--warmup", "0", "--calibrate", "0"]
+        + ["--ratios", "0.5", "0.01", "--engine", "native", "--out", str(out)]
+    )
+    with open(out) as f:
+        rows = [r for r in csv.DictReader(f) if r["method"] == "dtr"]
+    sweep = {r["setting"]: r["status"] for r in rows if "eager peak" in r["setting"]}
+    assert sweep == {"0.5 x eager peak": "ok", "0.01 x eager peak": "infeasible"}
+
+
+def test_native_engine_options_are_checked(capsys):
+    with pytest.raises(SystemExit):
+        vs_static.main(["--engine", "native", "--cost-model", "roofline", "--quick"])
+    assert "--engine native: CPU only" in capsys.readouterr().err
+
+
 def test_the_comparison_end_to_end(tmp_path, capsys):
     out = tmp_path / "vs.csv"
     vs_static.main(
