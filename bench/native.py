@@ -14,7 +14,7 @@ faulted in again. What differs between the two is the allocator's doing, not the
 engine's: the order in which an engine frees memory decides how often glibc faults
 (dtr/NOTES.md, "The floor at the step"). Writes bench/results/native.csv.
 
-    python -m bench.native            # about thirteen minutes
+    python -m bench.native            # about seventeen minutes
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ MODELS = ("mlp", "cnn", "lstm", "transformer", "tree")
 # glibc keeps freed memory in the heap: no block is mmapped on its own or trimmed
 HELD = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296"
 ALLOCATORS = ("glibc", "held")
+# native-nocache: the native engine without its CPU allocation cache (csrc/cpu_cache.cpp)
+METHODS = ("eager", "dtr", "native", "native-nocache")
 
 _CHILD = r"""
 import contextlib, json, resource, statistics, sys, time
@@ -66,7 +68,12 @@ def train(model, opt, data, context):
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     return statistics.median(times), faults / len(times), session
 
-engines = {"eager": None, "dtr": dtr.enable, "native": dtr.native.enable}
+engines = {
+    "eager": None,
+    "dtr": dtr.enable,
+    "native": dtr.native.enable,
+    "native-nocache": lambda **kw: dtr.native.enable(cache=0, **kw),
+}
 enable = engines[method]
 budget = None
 if enable is not None and ratio < 1:
@@ -100,15 +107,18 @@ def _measure(name: str, method: str, ratio: float, steps: int, allocator: str) -
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run(models, ratios, rounds: int, steps: int, allocators=ALLOCATORS) -> list[dict]:
+def run(
+    models, ratios, rounds: int, steps: int, allocators=ALLOCATORS, methods=METHODS
+) -> list[dict]:
     rows = []
+    engines = [m for m in methods if m != "eager"]
     for name, allocator, ratio in itertools.product(models, allocators, ratios):
-        methods = ["eager", "dtr", "native"] if ratio >= 1 else ["dtr", "native"]
-        got: dict[str, list[dict]] = {m: [] for m in methods}
+        order = ["eager", *engines] if ratio >= 1 else engines
+        got: dict[str, list[dict]] = {m: [] for m in order}
         for _ in range(rounds):
-            for method in methods:
+            for method in order:
                 got[method].append(_measure(name, method, ratio, steps, allocator))
-        for method in methods:
+        for method in order:
             ok = [r for r in got[method] if "error" in r] == []
             row = dict(model=name, allocator=allocator, ratio=ratio, method=method)
             if ok:
@@ -143,8 +153,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per process")
     parser.add_argument("--allocators", nargs="+", choices=ALLOCATORS, default=list(ALLOCATORS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     args = parser.parse_args(argv)
-    rows = run(args.models, args.ratios, args.rounds, args.steps, args.allocators)
+    rows = run(args.models, args.ratios, args.rounds, args.steps, args.allocators, args.methods)
     header = ["model", "allocator", "budget", "method", "ms/step", "x eager", "faults/step"]
     header.append("evictions")
     table = []

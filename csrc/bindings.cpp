@@ -5,6 +5,7 @@
 
 #include "core.h"
 #include "fastpath.h"
+#include "cpu_cache.h"
 #include "native.h"
 #include "replay.h"
 
@@ -86,4 +87,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("search_seconds", &dtr::Core::search_seconds);
   dtr::bind_fastpath(m);
   dtr::native::bind(m);
+  dtr::cpu_cache::bind(m);
 }

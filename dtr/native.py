@@ -12,6 +12,13 @@ and random ops (replayed from their generator's state); it refuses, naming the o
 in-place ops that change a managed tensor's shape or storage, and tensors off the CPU.
 Gradients accumulated into a leaf's .grad are handed out plain. Traces, timelines,
 stress mode and the simulator are the default engine's (dtr.enable).
+
+While a session is open, CPU allocations of 64 KiB and up in this process go through a
+cache that keeps freed blocks for the next request of the same size, as CUDA's caching
+allocator does, keeping at most `cache` bytes idle (default 1 GiB; 0 turns it off):
+glibc otherwise hands large freed blocks back to the kernel and faults them in again,
+which can cost more than the engine itself (csrc/cpu_cache.cpp). The cached blocks are
+freed when the session ends.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from .errors import ConfigError, DTRError
 from .stats import Stats
 
 _installed = False
+DEFAULT_CACHE = "1GiB"
 
 
 def _install() -> None:
@@ -52,8 +60,12 @@ def _install() -> None:
 class NativeSession:
     """A context manager: the native engine is on for the thread that enters it."""
 
-    def __init__(self, budget=None, heuristic: str | None = None, seed: int = 0):
+    def __init__(
+        self, budget=None, heuristic: str | None = None, seed: int = 0, cache=DEFAULT_CACHE
+    ):
         parsed = None if budget is None else _config.parse_budget(budget)
+        self.cache_bytes = 0 if cache in (0, None) else _config.parse_budget(cache, "cache")
+        self.cache_stats: dict | None = None  # the cache's hits and misses, after the block
         self.budget = -1 if parsed is None else parsed
         self.heuristic = heuristic or "dtr"
         if self.heuristic not in HEURISTICS:
@@ -75,6 +87,8 @@ class NativeSession:
         engine.set_leaf_hook(self._hook_leaf)
         engine.activate()
         self._engine = engine
+        if self.cache_bytes:
+            _C.cpu_cache_attach(self.cache_bytes)
         self._guard = torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1)
         self._guard.__enter__()
         return self
@@ -89,6 +103,11 @@ class NativeSession:
                 for h in self._hooks:
                     h.remove()
                 self._hooks.clear()
+                if self.cache_bytes:
+                    from . import _C
+
+                    self.cache_stats = _C.cpu_cache_stats()
+                    _C.cpu_cache_detach()
 
     def _hook_leaf(self, leaf: torch.Tensor) -> None:
         # Called by the engine once per leaf an op reads under grad mode.
@@ -117,9 +136,12 @@ class NativeSession:
         )
 
 
-def enable(budget=None, heuristic: str | None = None, seed: int = 0) -> NativeSession:
-    """The native engine for a `with` block (budget syntax as dtr.enable's)."""
-    return NativeSession(budget, heuristic, seed)
+def enable(
+    budget=None, heuristic: str | None = None, seed: int = 0, cache=DEFAULT_CACHE
+) -> NativeSession:
+    """The native engine for a `with` block (budget syntax as dtr.enable's; cache: the
+    idle bytes the CPU allocation cache may keep, same syntax, 0 for none)."""
+    return NativeSession(budget, heuristic, seed, cache)
 
 
 def is_managed(t: torch.Tensor) -> bool:

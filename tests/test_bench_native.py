@@ -14,7 +14,7 @@ pytest.importorskip("dtr._C", reason="the native engine is C++")
 def test_every_method_under_both_allocators():
     rows = bench_native.run(["tree"], [1.0], rounds=1, steps=1)
     got = {(r["allocator"], r["method"]) for r in rows}
-    assert got == {(a, m) for a in bench_native.ALLOCATORS for m in ("eager", "dtr", "native")}
+    assert got == {(a, m) for a in bench_native.ALLOCATORS for m in bench_native.METHODS}
     assert all("error" not in r for r in rows), rows
     assert all(r["seconds"] > 0 and r["x_eager"] > 0 for r in rows)
     for allocator in bench_native.ALLOCATORS:

@@ -336,3 +336,50 @@ def test_empty_like_of_an_evicted_tensor_does_not_rebuild_it():
         z = torch.zeros_like(evicted)
         assert _evicted(evicted) and session.stats().remats == remats
         assert torch.equal(z, torch.zeros(evicted.shape))
+
+
+def _profiled(fn) -> tuple[int, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.common import profiled_bytes
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return profiled_bytes(prof)
+
+
+def test_cpu_cache_reuses_freed_blocks_reports_them_and_goes_away_with_the_session():
+    from dtr import _C
+
+    x = torch.randn(256, 256, requires_grad=True)  # 256 KiB: cached sizes
+
+    def work():
+        y = (x @ x).tanh() @ x
+        y.sum().backward()
+        x.grad = None
+
+    with native.enable(cache=0) as plain_session:
+        for _ in range(3):
+            work()
+        uncached = _profiled(work)
+    assert plain_session.cache_stats is None
+    with native.enable(cache="64MiB") as session:
+        for _ in range(3):
+            work()
+        cached = _profiled(work)
+        kept = x @ x  # outlives the session: freed when dropped afterwards
+    stats = session.cache_stats
+    assert stats["hits"] > stats["misses"] > 0 and stats["idle_bytes"] > 0
+    # the profiler sees every block handed out, cached or not
+    assert cached == uncached and uncached[1] > 0  # (at the end, peak)
+    after = _C.cpu_cache_stats()
+    assert not after["active"] and after["idle_bytes"] == 0
+    assert torch.equal(kept, x @ x)
+    held = after["allocated_bytes"]
+    del kept
+    assert _C.cpu_cache_stats()["allocated_bytes"] == held - 256 * 256 * 4
+
+
+def test_bad_cache_size_is_a_config_error():
+    with pytest.raises(dtr.ConfigError, match="dtr: invalid cache"):
+        native.enable(cache="lots")

@@ -1,0 +1,209 @@
+// A caching CPU allocator, installed while a native session is open (dtr/NOTES.md, "The
+// allocator at the step").
+//
+// Why: glibc hands large freed blocks back to the kernel (munmap, or trimming the top of
+// the heap) and faults them in again at the next allocation of that size; how often
+// depends on the order of frees, so a training step pays anywhere from a few hundred to
+// tens of thousands of page faults, and the native engine, which frees in a different
+// order than eager, paid up to 5x eager's. The CUDA caching allocator keeps freed blocks
+// for the next request of the same size; this does the same on the CPU for blocks of
+// kMinBytes and up, keeping at most `cap` bytes idle. Smaller requests go to the
+// allocator that was installed before (glibc serves those from its arenas without
+// faulting).
+//
+// Every block handed out and given back is reported to the profiler as the default
+// allocator does, so torch.profiler's memory events (bench.common's measure) count what
+// the program holds; idle cached bytes are "reserved", as on CUDA. The allocator lives
+// as long as the process: blocks outlive the session that allocated them, and a block
+// given back when no session is open is freed at once.
+#include "cpu_cache.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace dtr {
+namespace cpu_cache {
+namespace {
+
+constexpr size_t kMinBytes = size_t(64) << 10;  // below this, the previous allocator's
+constexpr size_t kRound = 4096;                 // sizes are rounded up to pages
+constexpr uint8_t kPriority = 200;              // above the default CPU allocator's
+
+class CachingCPUAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    const c10::Device cpu(c10::DeviceType::CPU);
+    c10::Allocator* below = nullptr;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!active_ || n < kMinBytes) below = prev_;
+    }
+    if (below != nullptr) return below->allocate(n);
+    const size_t size = (n + kRound - 1) / kRound * kRound;
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = free_.find(size);
+      if (it != free_.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+        idle_ -= size;
+        hits_ += 1;
+      } else {
+        misses_ += 1;
+      }
+    }
+    if (p == nullptr) p = c10::alloc_cpu(size);  // throws c10::OutOfMemoryError
+    size_t allocated = 0, reserved = 0;
+    const bool profiled = c10::memoryProfilingEnabled();
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      live_[p] = Block{size, profiled};
+      allocated_ += size;
+      allocated = allocated_;
+      reserved = allocated_ + idle_;
+    }
+    if (profiled) report(p, static_cast<int64_t>(size), allocated, reserved);
+    return {p, p, &give_back, cpu};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &give_back; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  // Install (once per session); cap: idle bytes kept at most.
+  void attach(size_t cap) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (active_) throw std::runtime_error("dtr: the CPU allocation cache is already attached");
+    prev_ = c10::GetCPUAllocator();
+    if (prev_ == this) throw std::runtime_error("dtr: the CPU allocation cache installed twice");
+    cap_ = cap;
+    hits_ = misses_ = 0;
+    active_ = true;
+    c10::SetCPUAllocator(this, kPriority);
+  }
+
+  // Restore the previous allocator and free what is cached; blocks still in use are
+  // freed when given back.
+  void detach() {
+    std::vector<void*> drop;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!active_) return;
+      active_ = false;
+      c10::SetCPUAllocator(prev_, kPriority);
+      for (auto& [size, blocks] : free_) drop.insert(drop.end(), blocks.begin(), blocks.end());
+      free_.clear();
+      idle_ = 0;
+    }
+    for (void* p : drop) c10::free_cpu(p);
+  }
+
+  py::dict stats() {
+    std::lock_guard<std::mutex> g(mu_);
+    py::dict d;
+    d["hits"] = hits_;
+    d["misses"] = misses_;
+    d["idle_bytes"] = idle_;
+    d["allocated_bytes"] = allocated_;
+    d["active"] = active_;
+    return d;
+  }
+
+  static CachingCPUAllocator& get() {
+    static auto* instance = new CachingCPUAllocator();  // never destroyed: see the header
+    return *instance;
+  }
+
+ private:
+  static void give_back(void* p) { get().release(p); }
+
+  void release(void* p) {
+    bool keep = false, profiled = false;
+    size_t size = 0, allocated = 0, reserved = 0;
+    c10::Allocator* prev = nullptr;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = live_.find(p);
+      if (it == live_.end()) {
+        prev = prev_;
+      } else {
+        size = it->second.size;
+        profiled = it->second.profiled;
+        live_.erase(it);
+        allocated_ -= size;
+        if (active_ && idle_ + size <= cap_) {
+          free_[size].push_back(p);
+          idle_ += size;
+          keep = true;
+        }
+        allocated = allocated_;
+        reserved = allocated_ + idle_;
+      }
+    }
+    if (size == 0) {
+      // Not ours: code that took raw_allocate's deleter while another allocator was
+      // installed frees through whichever is installed now (oneDNN's buffers). The one
+      // before us is the default allocator, which frees with free_cpu.
+      c10::DeleterFnPtr d = prev != nullptr ? prev->raw_deleter() : nullptr;
+      if (d != nullptr && d != &give_back) {
+        d(p);
+      } else {
+        c10::free_cpu(p);
+      }
+      return;
+    }
+    // as the default allocator does: a free is reported only for a block whose
+    // allocation was (what was alive before profiling began is counted apart)
+    if (profiled && c10::memoryProfilingEnabled())
+      report(p, -static_cast<int64_t>(size), allocated, reserved);
+    if (!keep) c10::free_cpu(p);
+  }
+
+  // outside mu_: the profiler may allocate
+  static void report(void* p, int64_t delta, size_t allocated, size_t reserved) {
+    c10::reportMemoryUsageToProfiler(p, delta, allocated, reserved,
+                                     c10::Device(c10::DeviceType::CPU));
+  }
+
+  struct Block {
+    size_t size;
+    bool profiled;  // its allocation was reported to the profiler
+  };
+
+  std::mutex mu_;
+  bool active_ = false;
+  c10::Allocator* prev_ = nullptr;
+  size_t cap_ = 0;
+  size_t idle_ = 0;
+  size_t allocated_ = 0;
+  int64_t hits_ = 0;
+  int64_t misses_ = 0;
+  std::unordered_map<size_t, std::vector<void*>> free_;  // idle blocks by size
+  std::unordered_map<void*, Block> live_;                // blocks handed out
+};
+
+}  // namespace
+
+void bind(py::module_& m) {
+  m.def(
+      "cpu_cache_attach", [](size_t cap) { CachingCPUAllocator::get().attach(cap); },
+      py::arg("cap_bytes"));
+  m.def("cpu_cache_detach", [] { CachingCPUAllocator::get().detach(); });
+  m.def("cpu_cache_stats", [] { return CachingCPUAllocator::get().stats(); });
+}
+
+}  // namespace cpu_cache
+}  // namespace dtr
