@@ -86,9 +86,13 @@ class NativeSession:
         engine = _C.NativeEngine(self.heuristic, self.budget, self.seed)
         engine.set_leaf_hook(self._hook_leaf)
         engine.activate()
-        self._engine = engine
         if self.cache_bytes:
-            _C.cpu_cache_attach(self.cache_bytes)
+            try:
+                _C.cpu_cache_attach(self.cache_bytes)
+            except BaseException:
+                engine.close()
+                raise
+        self._engine = engine
         self._guard = torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1)
         self._guard.__enter__()
         return self
