@@ -4,8 +4,8 @@
 #include <pybind11/stl.h>
 
 #include "core.h"
-#include "fastpath.h"
 #include "cpu_cache.h"
+#include "fastpath.h"
 #include "native.h"
 #include "replay.h"
 
