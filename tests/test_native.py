@@ -177,29 +177,6 @@ def test_evicted_values_are_materialized_when_the_block_ends():
         assert torch.equal(torch.from_numpy(got.detach().numpy()), want.detach())
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "lstm", "transformer", "tree"])
-def test_bench_models_train_bitwise_as_eager(name):
-    """Dropout, batch norm's running statistics, in-place ReLU, nn.LSTM, attention and the
-    tree model's .item()-driven recursion: two Adam steps equal eager's."""
-    from bench.harness import make_optimizer
-    from bench.models import MODELS, batches, build
-
-    def run(context):
-        torch.manual_seed(0)
-        model = build(name)
-        opt = make_optimizer("adam", model.parameters())
-        with context:
-            for batch in batches(name, 2):
-                MODELS[name].loss(model, batch).backward()
-                opt.step()
-                opt.zero_grad()
-        return [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
-
-    expect = run(contextlib.nullcontext())
-    got = run(native.enable())
-    assert all(torch.equal(a, b) for a, b in zip(got, expect, strict=True))
-
-
 def _bench_run(name: str, context):
     from bench.harness import make_optimizer
     from bench.models import MODELS, batches, build
@@ -213,6 +190,15 @@ def _bench_run(name: str, context):
             opt.step()
             opt.zero_grad()
     return [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "lstm", "transformer", "tree"])
+def test_bench_models_train_bitwise_as_eager(name):
+    """Dropout, batch norm's running statistics, in-place ReLU, nn.LSTM, attention and the
+    tree model's .item()-driven recursion: two Adam steps equal eager's."""
+    expect = _bench_run(name, contextlib.nullcontext())
+    got = _bench_run(name, native.enable())
+    assert all(torch.equal(a, b) for a, b in zip(got, expect, strict=True))
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "lstm", "transformer", "tree"])
