@@ -87,6 +87,18 @@ void set_item(c10::IValue& iv, int64_t item, const at::Tensor& v) {
   }
 }
 
+// The tensor an argument holds: the argument itself (item < 0) or item `item` of a list.
+at::Tensor get_item(const c10::IValue& iv, int64_t item) {
+  if (item < 0) return iv.toTensor();
+  return iv.isTensorList() ? iv.toTensorList().get(item) : iv.toList().get(item).toTensor();
+}
+
+bool contains(const std::vector<int64_t>& v, int64_t x) {
+  for (int64_t y : v)
+    if (y == x) return true;
+  return false;
+}
+
 // A managed tensor's identity. Every NativeImpl naming the same core tensor (an op's
 // result, autograd's saved copies of it, detach()) shares one Cell, so that an in-place
 // write giving that tensor a new version (Core::version) renames all of them at once.
@@ -350,20 +362,13 @@ struct Engine : std::enable_shared_from_this<Engine> {
     for (size_t k = 0; k < rec.outs.size(); ++k) {
       const int64_t q = rec.outs[k].slot;
       if (q < 0) continue;
-      bool steal = false;
-      for (int64_t x : stolen) steal = steal || x == static_cast<int64_t>(k);
-      if (!steal) filled[q] = copy_storage(filled[q]);
+      if (!contains(stolen, static_cast<int64_t>(k))) filled[q] = copy_storage(filled[q]);
     }
     torch::jit::Stack stack(rec.args.begin(), rec.args.end());
     for (size_t q = 0; q < rec.slots.size(); ++q)
       set_item(stack[rec.slots[q].arg], rec.slots[q].item, filled[q]);
-    for (auto [arg, item] : rec.scratch) {
-      const c10::IValue& iv = stack[arg];
-      const at::Tensor t = item < 0            ? iv.toTensor()
-                           : iv.isTensorList() ? iv.toTensorList().get(item)
-                                               : iv.toList().get(item).toTensor();
-      set_item(stack[arg], item, copy_storage(t));
-    }
+    for (auto [arg, item] : rec.scratch)
+      set_item(stack[arg], item, copy_storage(get_item(stack[arg], item)));
     auto start = std::chrono::steady_clock::now();
     steal_broken = !stolen.empty();
     if (rec.gen) {
@@ -391,9 +396,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
     std::vector<int64_t> nbytes;
     for (size_t k = 0; k < rec.outs.size(); ++k) {
       const Out& o = rec.outs[k];
-      at::Tensor fresh = o.slot >= 0  ? filled[o.slot]
-                         : o.item < 0 ? stack[o.ret].toTensor()
-                                      : stack[o.ret].toTensorList().get(o.item);
+      at::Tensor fresh = o.slot >= 0 ? filled[o.slot] : get_item(stack[o.ret], o.item);
       int64_t tid = rec.out_tids[k];
       nbytes.push_back(static_cast<int64_t>(fresh.storage().nbytes()));
       if (tid < 0 || tid >= static_cast<int64_t>(values.size()) || !values[tid].defined()) continue;
@@ -590,12 +593,6 @@ void for_each_tensor(torch::jit::Stack* stack, size_t begin, size_t n, F f) {
   }
 }
 
-bool contains(const std::vector<int64_t>& v, int64_t x) {
-  for (int64_t y : v)
-    if (y == x) return true;
-  return false;
-}
-
 bool returns_tensors(const c10::Argument& r) {
   const c10::TypePtr& t = r.type();
   return t->isSubtypeOf(*c10::TensorType::get()) ||
@@ -728,8 +725,6 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   }
   if (writes_managed && facts.reshapes)
     refuse(op, "it changes a managed tensor's shape or storage in place");
-  const bool seeded = facts.seeded;
-  const bool other_returns = facts.other_returns;
   Core& core = e.core;
   std::vector<int64_t> fresh, locked, held;
   auto finish = [&] {
@@ -807,7 +802,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
         e.writes_to_plain(leaves[k].tensor);
       }
     }
-    const bool record = other_returns || !versioned.empty();
+    const bool record = facts.other_returns || !versioned.empty();
     // A recipe reads the value a written argument without a version had before the op:
     // a copy, taken now (batch norm's running statistics).
     std::vector<int64_t> snap_tid(leaves.size(), -1);
@@ -821,7 +816,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     // saved state is memory its recipe holds, counted as a constant.
     std::optional<at::Generator> gen;
     at::Tensor rng_state;
-    if (record && seeded) {
+    if (record && facts.seeded) {
       gen = generator_of(schema, *stack, begin);
       std::lock_guard<std::mutex> lock(gen->mutex());
       rng_state = gen->get_state();
