@@ -18,8 +18,9 @@
 // (replayed from the generator state captured before they ran, Invariant 1). Refused with
 // NotImplementedError naming the op: in-place ops that change a managed tensor's shape or
 // storage, tensors not on the CPU. Gradients accumulated into a leaf's .grad are handed
-// out plain, as by the default engine. Trace, timeline, stress mode, OOM retry and reserve
-// are not here yet.
+// out plain, as by the default engine. Before an op runs under a budget, room is made
+// for the bytes the last call with the same op and input shapes allocated (dtr/reserve.py).
+// Trace, timeline, stress mode and OOM retry are not here yet.
 #include "native.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -92,6 +93,19 @@ at::Tensor get_item(const c10::IValue& iv, int64_t item) {
   if (item < 0) return iv.toTensor();
   return iv.isTensorList() ? iv.toTensorList().get(item) : iv.toList().get(item).toTensor();
 }
+
+// Output sizes learned per op and input shapes (dtr/reserve.py): a call allocates about
+// what the last call with the same op, shapes and dtypes did, so that much is evicted
+// before the op runs rather than sitting on top of the budget until the boundary after
+// it (an LSTM layer's 30 MiB workspace).
+struct SizeKeyHash {
+  size_t operator()(const std::vector<int64_t>& v) const {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t x : v) h = (h ^ static_cast<uint64_t>(x)) * 1099511628211ull;
+    return static_cast<size_t>(h);
+  }
+};
+constexpr size_t kMaxSizeEntries = 100000;  // ever-new shapes: forget and start again
 
 bool contains(const std::vector<int64_t>& v, int64_t x) {
   for (int64_t y : v)
@@ -195,6 +209,8 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // values handed out plain: their storage, per tid (a write to it invalidates readers)
   std::unordered_map<const c10::StorageImpl*, int64_t> escaped;
   std::vector<const c10::StorageImpl*> escaped_storage;
+  std::unordered_map<std::vector<int64_t>, int64_t, SizeKeyHash> out_sizes;  // reserve
+  bool reserve = true;  // make room before an op (tests and benchmarks turn it off)
 
   ~Engine() {
     if (!leaf_hook) return;
@@ -770,6 +786,29 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
       passed[k] = e.values[tids[k]];
       set_item((*stack)[begin + l.arg], l.item, passed[k]);
     }
+    // Room for the outputs before they exist, as much as the last such call made (Runtime
+    // ._run); if it cannot be made, the boundary after the op reports the budget. Ops that
+    // read no managed value (meta-only ones) reserve nothing, as in the default engine.
+    std::vector<int64_t> size_key;
+    if (core.budget >= 0 && e.reserve && !facts.meta_only) {
+      size_key.reserve(2 + 4 * leaves.size());
+      size_key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&schema)));
+      for (const Leaf& l : leaves) {
+        if (!l.tensor.defined()) {
+          size_key.push_back(-1);
+          continue;
+        }
+        size_key.push_back(static_cast<int64_t>(l.tensor.scalar_type()));
+        size_key.push_back(l.tensor.dim());
+        for (int64_t d : l.tensor.sizes()) size_key.push_back(d);
+      }
+      auto it = e.out_sizes.find(size_key);
+      const int64_t reserve = it == e.out_sizes.end() ? 0 : it->second;
+      if (reserve > 0 && core.resident_bytes + reserve > core.budget) {
+        core.make_room(reserve);
+        e.drain();
+      }
+    }
     // In-place writes (Invariant 4, Runtime._prepare_writes): a managed tensor that is the
     // only one of its storage the program holds gets a new version (its old value keeps
     // its lineage); any other written tensor has what reads it materialized and pinned.
@@ -890,6 +929,13 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
         auto l = r.toTensorList();
         for (size_t j = 0; j < l.size(); ++j) take(static_cast<int64_t>(j), l.get(j));
       }
+    }
+    if (!size_key.empty()) {
+      int64_t total = 0;
+      for (int64_t b : nbytes) total += b;
+      if (e.out_sizes.size() >= kMaxSizeEntries && !e.out_sizes.count(size_key))
+        e.out_sizes.clear();
+      e.out_sizes[std::move(size_key)] = total;
     }
     std::vector<int64_t> protect;  // the fresh outputs, protected while settling
     if (!kinds.empty()) {
@@ -1022,6 +1068,7 @@ void bind(py::module_& m) {
              deactivate();
              self->leaf_hook = py::object();
            })
+      .def_readwrite("reserve", &Engine::reserve)
       .def("set_leaf_hook", [](Engine& e, py::function f) { e.leaf_hook = std::move(f); })
       .def(
           "export",
