@@ -420,10 +420,6 @@ def measure(
         out["wall_s"] = statistics.median(wall)
     except dtr.BudgetError:
         out["status"] = "infeasible"
-    except torch.OutOfMemoryError as exc:
-        if not str(exc).startswith("dtr:"):  # the native engine's budget: not a BudgetError
-            raise
-        out["status"] = "infeasible"
     except Exception as exc:  # a method that does not run is a row, not a crash
         out["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     del model, opt, data

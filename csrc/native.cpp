@@ -18,8 +18,9 @@
 // (replayed from the generator state captured before they ran, Invariant 1). Refused with
 // NotImplementedError naming the op: in-place ops that change a managed tensor's shape or
 // storage, tensors not on the CPU. Gradients accumulated into a leaf's .grad are handed
-// out plain, as by the default engine. Before an op runs under a budget, room is made
-// for the bytes the last call with the same op and input shapes allocated (dtr/reserve.py).
+// out plain, as by the default engine. A budget that cannot be met raises dtr.BudgetError
+// with the numbers. Before an op runs under a budget, room is made for the bytes the last
+// call with the same op and input shapes allocated (dtr/reserve.py).
 // Trace, timeline, stress mode and OOM retry are not here yet.
 #include "native.h"
 
@@ -27,15 +28,18 @@
 #include <ATen/core/enum_tag.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -111,6 +115,26 @@ bool contains(const std::vector<int64_t>& v, int64_t x) {
   for (int64_t y : v)
     if (y == x) return true;
   return false;
+}
+
+// The budget cannot be met (everything evictable is evicted). Raised to Python as
+// dtr.BudgetError (a torch.OutOfMemoryError), converted where no engine lock is held.
+struct BudgetExceeded : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::string format_bytes(int64_t nbytes) {  // dtr.units.format_bytes
+  if (nbytes < 1024) return std::to_string(nbytes) + " B";
+  double v = static_cast<double>(nbytes);
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
+  return buf;
 }
 
 // A managed tensor's identity. Every NativeImpl naming the same core tensor (an op's
@@ -334,20 +358,42 @@ struct Engine : std::enable_shared_from_this<Engine> {
     leaf_hook(at::Tensor(leaf));
   }
 
+  // Runtime._budget_error's message: the numbers, and what cannot be evicted.
+  std::string budget_message(int64_t requested, const std::string& what) const {
+    std::string largest;
+    for (auto [t, nbytes] : core.largest_pinned(5)) {
+      if (!largest.empty()) largest += ", ";
+      std::string name = "a constant";  // a plain tensor a recipe reads (a parameter)
+      if (t < static_cast<int64_t>(output_of.size()) && output_of[t].first >= 0 &&
+          output_of[t].first < static_cast<int64_t>(recipes.size()) &&
+          recipes[output_of[t].first].op && t < static_cast<int64_t>(values.size()) &&
+          values[t].defined()) {
+        std::string shape;
+        for (int64_t d : values[t].sizes()) shape += (shape.empty() ? "" : "x") + std::to_string(d);
+        name = recipes[output_of[t].first].op->schema().name() + "[" + shape + "]";
+      }
+      largest += name + " " + format_bytes(nbytes);
+    }
+    return "dtr: cannot stay within the memory budget of " + format_bytes(core.budget) + " while " +
+           what + ": " + format_bytes(core.resident_bytes) + " resident, " +
+           format_bytes(requested) + " requested, " + format_bytes(core.pinned_bytes()) +
+           " pinned (constants and tensors that cannot be recomputed) and " +
+           format_bytes(core.locked_bytes()) +
+           " locked by the running op, none of which can be evicted. Largest unevictable: " +
+           (largest.empty() ? std::string("none") : largest) +
+           ". Raise the budget or reduce the batch size.";
+  }
+
   // ---- Driver.rematerialize (csrc/protocol.h)
   void rematerialize(int64_t tid) {
     try {
       dtr::rematerialize(
           core, tid, [&](int64_t rid) { rerun(rid); },
-          [&](int64_t, int64_t need) {
-            throw c10::OutOfMemoryError(
-                {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                "dtr: the budget (" + std::to_string(core.budget) +
-                    " bytes) cannot hold a recomputation's " + std::to_string(need) +
-                    " bytes: " + std::to_string(core.resident_bytes) + " bytes resident, " +
-                    std::to_string(core.pinned_bytes()) + " pinned, " +
-                    std::to_string(core.constant_bytes()) + " constants, " +
-                    std::to_string(core.locked_bytes()) + " locked");
+          [&](int64_t rid, int64_t need) {
+            const Recipe* rec =
+                rid < static_cast<int64_t>(recipes.size()) ? &recipes[rid] : nullptr;
+            throw BudgetExceeded(budget_message(
+                need, "recomputing " + (rec && rec->op ? rec->op->schema().name() : "a tensor")));
           },
           [&] { drain(); });
     } catch (...) {
@@ -683,7 +729,7 @@ const OpFacts& facts_of(const c10::OperatorHandle& op) {
 }
 
 // ---------------------------------------------------------------- the fallback
-void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   const size_t begin = stack->size() - n;
@@ -1001,17 +1047,27 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     bool ok = core.make_room(0);
     for (int64_t t : protect) core.unlock(t);
     e.drain();
-    if (!ok)
-      throw c10::OutOfMemoryError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                                  "dtr: the budget (" + std::to_string(core.budget) +
-                                      " bytes) cannot be met after " + schema.name() + ": " +
-                                      std::to_string(core.resident_bytes) + " bytes resident, " +
-                                      std::to_string(core.pinned_bytes()) + " pinned, " +
-                                      std::to_string(core.locked_bytes()) + " locked");
+    if (!ok) throw BudgetExceeded(e.budget_message(0, "running " + schema.name()));
   } catch (...) {
     finish();
     e.drain();
     throw;
+  }
+}
+
+// The boxed fallback: serve(), with a budget that cannot be met raised to Python as
+// dtr.BudgetError (torch's op bindings pass a pending Python error through as it is; the
+// engine's lock is released by then, so taking the GIL cannot deadlock on it).
+void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  try {
+    serve(op, stack);
+  } catch (const BudgetExceeded& b) {
+    py::gil_scoped_acquire gil;
+    py::object cls = py::module_::import("dtr.errors").attr("BudgetError");
+    PyErr_SetString(cls.ptr(), b.what());
+    python_error err;
+    err.persist();
+    throw err;
   }
 }
 
@@ -1039,6 +1095,15 @@ void install(const std::vector<std::string>& composite_ops) {
 }
 
 void bind(py::module_& m) {
+  // BudgetExceeded out of a binding (close() materializing what is evicted)
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const BudgetExceeded& b) {
+      py::object cls = py::module_::import("dtr.errors").attr("BudgetError");
+      PyErr_SetString(cls.ptr(), b.what());
+    }
+  });
   py::class_<Engine, std::shared_ptr<Engine>>(m, "NativeEngine")
       .def(py::init<const std::string&, int64_t, uint64_t>(), py::arg("heuristic") = "dtr",
            py::arg("budget") = -1, py::arg("seed") = 0)

@@ -7,6 +7,7 @@ usable after the block, and what it does not serve refused by name."""
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -96,11 +97,16 @@ def test_under_a_budget_evicts_recomputes_and_stays_bitwise(kind, ratio):
     assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
 
 
-def test_infeasible_budget_is_an_out_of_memory_error_with_the_numbers():
+def test_infeasible_budget_is_a_budget_error_with_the_numbers():
     model, x, y = _model("mlp")
-    with pytest.raises(torch.OutOfMemoryError, match=r"dtr: the budget \(1000 bytes\)"):
+    with pytest.raises(dtr.BudgetError) as info:
         with native.enable(budget=1000):
             F.cross_entropy(model(x), y).backward()
+    assert isinstance(info.value, torch.OutOfMemoryError)  # what OOM handlers catch
+    msg = str(info.value)
+    assert msg.startswith("dtr: cannot stay within the memory budget of 1000 B while ")
+    assert re.search(r"resident, .* requested, .* pinned .* locked by the running op", msg)
+    assert "Largest unevictable: " in msg and "Raise the budget" in msg
     # the process stays usable: another session works
     with native.enable():
         assert _train(*_model("mlp"), steps=1)[0] == _train(*_model("mlp"), steps=1)[0]
