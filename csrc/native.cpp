@@ -21,7 +21,8 @@
 // out plain, as by the default engine. A budget that cannot be met raises dtr.BudgetError
 // with the numbers. Before an op runs under a budget, room is made for the bytes the last
 // call with the same op and input shapes allocated (dtr/reserve.py).
-// Trace, timeline, stress mode and OOM retry are not here yet.
+// Stress mode evicts everything evictable after every op. Trace, timeline and OOM retry
+// are not here yet.
 #include "native.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -235,6 +236,8 @@ struct Engine : std::enable_shared_from_this<Engine> {
   std::vector<const c10::StorageImpl*> escaped_storage;
   std::unordered_map<std::vector<int64_t>, int64_t, SizeKeyHash> out_sizes;  // reserve
   bool reserve = true;  // make room before an op (tests and benchmarks turn it off)
+  bool stress = false;  // evict everything evictable after every op (testing mode)
+  bool check = false;   // verify the core's invariants after every op (tests)
 
   ~Engine() {
     if (!leaf_hook) return;
@@ -1048,6 +1051,11 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     for (int64_t t : protect) core.unlock(t);
     e.drain();
     if (!ok) throw BudgetExceeded(e.budget_message(0, "running " + schema.name()));
+    if (e.stress) {  // every later read recomputes (Runtime._settle)
+      core.evict_all();
+      e.drain();
+    }
+    if (e.check) core.check();
   } catch (...) {
     finish();
     e.drain();
@@ -1134,6 +1142,8 @@ void bind(py::module_& m) {
              self->leaf_hook = py::object();
            })
       .def_readwrite("reserve", &Engine::reserve)
+      .def_readwrite("stress", &Engine::stress)
+      .def_readwrite("check_each_op", &Engine::check)
       .def("set_leaf_hook", [](Engine& e, py::function f) { e.leaf_hook = std::move(f); })
       .def(
           "export",

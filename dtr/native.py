@@ -10,8 +10,9 @@ What it serves and what it refuses is in csrc/native.cpp's header: it serves ops
 write nothing, views, plain ops, in-place writes (new versions, as the default engine's)
 and random ops (replayed from their generator's state); it refuses, naming the op,
 in-place ops that change a managed tensor's shape or storage, and tensors off the CPU.
-Gradients accumulated into a leaf's .grad are handed out plain. Traces, timelines,
-stress mode and the simulator are the default engine's (dtr.enable).
+Gradients accumulated into a leaf's .grad are handed out plain. An infeasible budget
+raises dtr.BudgetError. Traces, timelines, OOM retry and the simulator are the default
+engine's (dtr.enable).
 
 While a session is open, CPU allocations of 64 KiB and up in this process go through a
 cache that keeps freed blocks for the next request of the same size, as CUDA's caching
@@ -22,6 +23,8 @@ freed when the session ends.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -61,7 +64,13 @@ class NativeSession:
     """A context manager: the native engine is on for the thread that enters it."""
 
     def __init__(
-        self, budget=None, heuristic: str | None = None, seed: int = 0, cache=DEFAULT_CACHE
+        self,
+        budget=None,
+        heuristic: str | None = None,
+        seed: int = 0,
+        cache=DEFAULT_CACHE,
+        stress: bool | None = None,
+        check: bool | None = None,
     ):
         parsed = None if budget is None else _config.parse_budget(budget)
         self.cache_bytes = 0 if cache in (0, None) else _config.parse_budget(cache, "cache")
@@ -73,6 +82,13 @@ class NativeSession:
                 f"dtr: unknown heuristic {self.heuristic!r}; one of {', '.join(HEURISTICS)}"
             )
         self.seed = seed
+        # as dtr.enable's: off unless asked for, here or by DTR_STRESS / DTR_DEBUG
+        env = os.environ
+        self.stress = bool(_config._env_flag(env, _config.ENV_STRESS)) if stress is None else stress
+        self.check = bool(_config._env_flag(env, _config.ENV_DEBUG)) if check is None else check
+        for name in ("stress", "check"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"dtr: {name} must be True or False, not {getattr(self, name)!r}")
         self._engine = None
         self._guard = None
         self._hooks: list = []  # post-accumulate-grad hook handles, removed at exit
@@ -85,6 +101,8 @@ class NativeSession:
             raise DTRError("dtr: dtr.enable() is active; the two engines do not nest")
         engine = _C.NativeEngine(self.heuristic, self.budget, self.seed)
         engine.set_leaf_hook(self._hook_leaf)
+        engine.stress = self.stress
+        engine.check_each_op = self.check
         engine.activate()
         if self.cache_bytes:
             try:
@@ -141,11 +159,18 @@ class NativeSession:
 
 
 def enable(
-    budget=None, heuristic: str | None = None, seed: int = 0, cache=DEFAULT_CACHE
+    budget=None,
+    heuristic: str | None = None,
+    seed: int = 0,
+    cache=DEFAULT_CACHE,
+    stress: bool | None = None,
+    check: bool | None = None,
 ) -> NativeSession:
     """The native engine for a `with` block (budget syntax as dtr.enable's; cache: the
-    idle bytes the CPU allocation cache may keep, same syntax, 0 for none)."""
-    return NativeSession(budget, heuristic, seed, cache)
+    idle bytes the CPU allocation cache may keep, same syntax, 0 for none; stress: evict
+    everything evictable after every op, a testing mode (default: DTR_STRESS); check:
+    verify the core's invariants after every op (default: DTR_DEBUG))."""
+    return NativeSession(budget, heuristic, seed, cache, stress, check)
 
 
 def is_managed(t: torch.Tensor) -> bool:

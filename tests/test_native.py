@@ -223,6 +223,34 @@ def test_bench_models_under_half_their_peak_stay_bitwise(name):
     assert all(torch.equal(a, b) for a, b in zip(got, expect, strict=True))
 
 
+@pytest.mark.parametrize("name", ["mlp", "cnn", "lstm", "transformer", "tree"])
+def test_bench_models_under_stress_stay_bitwise(name):
+    """Stress mode: everything evictable is evicted after every op, so every value read
+    again is recomputed (with the core's invariants checked after each op)."""
+    expect = _bench_run(name, contextlib.nullcontext())
+    with native.enable(stress=True, check=True) as session:
+        got = _bench_run(name, contextlib.nullcontext())
+    stats = session.stats()
+    assert stats.evictions > stats.ops / 4 and stats.remats > 0, stats
+    assert all(torch.equal(a, b) for a, b in zip(got, expect, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "residual", "inplace"])
+def test_stress_from_the_environment(kind, monkeypatch):
+    monkeypatch.setenv("DTR_STRESS", "1")
+    expect = _train(*_model(kind))
+    with native.enable() as session:
+        got = _train(*_model(kind))
+    assert session.stress and session.stats().remats > 0
+    assert got[0] == expect[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
+
+
+def test_bad_stress_flag_is_a_config_error():
+    with pytest.raises(dtr.ConfigError, match="dtr: stress must be True or False"):
+        native.enable(stress="yes")
+
+
 @pytest.mark.parametrize("name", ["lstm", "mlp", "transformer", "tree"])
 def test_room_is_made_before_an_op_that_was_seen(name):
     """From the second step on, the engine knows what each op allocates (per op and input
