@@ -8,6 +8,7 @@
 #include "fastpath.h"
 #include "native.h"
 #include "replay.h"
+#include "roofline.h"
 
 namespace py = pybind11;
 
@@ -88,4 +89,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   dtr::bind_fastpath(m);
   dtr::native::bind(m);
   dtr::cpu_cache::bind(m);
+  dtr::roofline::bind(m);
 }

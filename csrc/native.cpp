@@ -48,6 +48,7 @@
 
 #include "core.h"
 #include "protocol.h"
+#include "roofline.h"
 
 namespace py = pybind11;
 
@@ -208,8 +209,8 @@ c10::Storage empty_storage(size_t nbytes, c10::Device device) {
 }  // namespace
 
 struct Engine : std::enable_shared_from_this<Engine> {
-  Engine(const std::string& heuristic, int64_t budget, uint64_t seed)
-      : core(heuristic, budget, seed, 0) {}
+  Engine(const std::string& heuristic, int64_t budget, uint64_t seed, bool roofline)
+      : core(heuristic, budget, seed, 0), roofline(roofline) {}
 
   Core core;
   std::recursive_mutex mu;
@@ -235,6 +236,9 @@ struct Engine : std::enable_shared_from_this<Engine> {
   std::unordered_map<const c10::StorageImpl*, int64_t> escaped;
   std::vector<const c10::StorageImpl*> escaped_storage;
   std::unordered_map<std::vector<int64_t>, int64_t, SizeKeyHash> out_sizes;  // reserve
+  // An op's cost: its measured wall time, or the roofline estimate (csrc/roofline.h),
+  // with which the same program under the same budget evicts the same tensors each run.
+  const bool roofline;
   bool reserve = true;  // make room before an op (tests and benchmarks turn it off)
   bool stress = false;  // evict everything evictable after every op (testing mode)
   bool check = false;   // verify the core's invariants after every op (tests)
@@ -911,6 +915,8 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
     std::vector<c10::IValue> args;  // the recipe's (recorded ops only)
     if (record) args.assign(stack->begin() + begin, stack->end());
+    std::vector<c10::IValue> priced;  // the roofline's view of the arguments
+    if (e.roofline) priced.assign(stack->begin() + begin, stack->end());
     auto start = std::chrono::steady_clock::now();
     Engine::call_below(op, stack, at::GradMode::is_enabled());
     double cost = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -918,6 +924,9 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     // view of an input (same storage) or of an earlier output, or fresh
     const size_t nret = schema.returns().size();
     const size_t rbegin = stack->size() - nret;
+    if (e.roofline)
+      cost = roofline_seconds(schema.name(), priced,
+                              c10::ArrayRef<c10::IValue>(stack->data() + rbegin, nret));
     std::vector<int64_t> kinds, refs, nbytes;
     std::vector<Out> outs;
     std::vector<at::Tensor> produced;
@@ -1113,8 +1122,15 @@ void bind(py::module_& m) {
     }
   });
   py::class_<Engine, std::shared_ptr<Engine>>(m, "NativeEngine")
-      .def(py::init<const std::string&, int64_t, uint64_t>(), py::arg("heuristic") = "dtr",
-           py::arg("budget") = -1, py::arg("seed") = 0)
+      .def(py::init([](const std::string& heuristic, int64_t budget, uint64_t seed,
+                       const std::string& cost_model) {
+             if (cost_model != "time" && cost_model != "roofline")
+               throw std::invalid_argument("dtr: unknown cost_model '" + cost_model +
+                                           "'; valid: time, roofline");
+             return std::make_shared<Engine>(heuristic, budget, seed, cost_model == "roofline");
+           }),
+           py::arg("heuristic") = "dtr", py::arg("budget") = -1, py::arg("seed") = 0,
+           py::arg("cost_model") = "time")
       .def("activate",
            [](std::shared_ptr<Engine> self) {
              std::lock_guard<std::mutex> g(g_mu);
@@ -1143,6 +1159,16 @@ void bind(py::module_& m) {
            })
       .def_readwrite("reserve", &Engine::reserve)
       .def_readwrite("stress", &Engine::stress)
+      .def("log_evictions",
+           [](Engine& e, bool on) {
+             std::lock_guard<std::recursive_mutex> g(e.mu);
+             e.core.log_evictions(on);
+           })
+      .def("eviction_log",
+           [](Engine& e) {
+             std::lock_guard<std::recursive_mutex> g(e.mu);
+             return e.core.eviction_log();
+           })
       .def_readwrite("check_each_op", &Engine::check)
       .def("set_leaf_hook", [](Engine& e, py::function f) { e.leaf_hook = std::move(f); })
       .def(

@@ -30,6 +30,7 @@ import torch
 
 from . import config as _config
 from ._pycore import HEURISTICS
+from .cost import COST_MODELS
 from .errors import ConfigError, DTRError
 from .stats import Stats
 
@@ -71,6 +72,7 @@ class NativeSession:
         cache=DEFAULT_CACHE,
         stress: bool | None = None,
         check: bool | None = None,
+        cost_model: str | None = None,
     ):
         parsed = None if budget is None else _config.parse_budget(budget)
         self.cache_bytes = 0 if cache in (0, None) else _config.parse_budget(cache, "cache")
@@ -86,6 +88,11 @@ class NativeSession:
         env = os.environ
         self.stress = bool(_config._env_flag(env, _config.ENV_STRESS)) if stress is None else stress
         self.check = bool(_config._env_flag(env, _config.ENV_DEBUG)) if check is None else check
+        self.cost_model = cost_model or env.get(_config.ENV_COST_MODEL, "").strip() or "time"
+        if self.cost_model not in COST_MODELS:
+            raise ConfigError(
+                f"dtr: unknown cost_model {self.cost_model!r}; valid: {', '.join(COST_MODELS)}"
+            )
         for name in ("stress", "check"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"dtr: {name} must be True or False, not {getattr(self, name)!r}")
@@ -99,7 +106,7 @@ class NativeSession:
 
         if session._active is not None:
             raise DTRError("dtr: dtr.enable() is active; the two engines do not nest")
-        engine = _C.NativeEngine(self.heuristic, self.budget, self.seed)
+        engine = _C.NativeEngine(self.heuristic, self.budget, self.seed, self.cost_model)
         engine.set_leaf_hook(self._hook_leaf)
         engine.stress = self.stress
         engine.check_each_op = self.check
@@ -165,12 +172,14 @@ def enable(
     cache=DEFAULT_CACHE,
     stress: bool | None = None,
     check: bool | None = None,
+    cost_model: str | None = None,
 ) -> NativeSession:
     """The native engine for a `with` block (budget syntax as dtr.enable's; cache: the
     idle bytes the CPU allocation cache may keep, same syntax, 0 for none; stress: evict
     everything evictable after every op, a testing mode (default: DTR_STRESS); check:
-    verify the core's invariants after every op (default: DTR_DEBUG))."""
-    return NativeSession(budget, heuristic, seed, cache, stress, check)
+    verify the core's invariants after every op (default: DTR_DEBUG); cost_model: "time"
+    or "roofline", as dtr.enable's (default: DTR_COST_MODEL, else "time"))."""
+    return NativeSession(budget, heuristic, seed, cache, stress, check, cost_model)
 
 
 def is_managed(t: torch.Tensor) -> bool:

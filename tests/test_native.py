@@ -286,6 +286,74 @@ def test_room_is_made_before_an_op_that_was_seen(name):
         assert without > budget * 1.5, (without, budget)
 
 
+def _roofline_cases():
+    aten = torch.ops.aten
+    torch.manual_seed(0)
+    a, b, c = torch.randn(8, 16), torch.randn(16, 4), torch.randn(8, 4)
+    ba, bb, bc = torch.randn(3, 8, 16), torch.randn(3, 16, 4), torch.randn(3, 8, 4)
+    x, w, bias = torch.randn(2, 3, 10, 10), torch.randn(5, 3, 3, 3), torch.randn(5)
+    wt = torch.randn(3, 5, 3, 3)  # a transposed convolution's weight: (in, out, ...)
+    conv = [bias, [1, 1], [1, 1], [1, 1]]
+    cases = [
+        (aten.mm.default, [a, b]),
+        (aten.addmm.default, [c, a, b]),
+        (aten.bmm.default, [ba, bb]),
+        (aten.baddbmm.default, [bc, ba, bb]),
+        (aten.convolution.default, [x, w, *conv, False, [0, 0], 1]),
+        (aten.convolution.default, [x, wt, *conv, True, [0, 0], 1]),
+        (aten.relu.default, [x]),  # bytes only
+        (aten.cat.default, [[a, c], 1]),  # a list of tensors
+    ]
+    for transposed, weight in ((False, w), (True, wt)):
+        y = aten.convolution.default(x, weight, *conv, transposed, [0, 0], 1)
+        for mask in ([True, True, True], [True, False, False], [False, True, False]):
+            args = [torch.randn_like(y), x, weight, [5], [1, 1], [1, 1], [1, 1], transposed]
+            cases.append((aten.convolution_backward.default, [*args, [0, 0], 1, mask]))
+    return cases
+
+
+@pytest.mark.parametrize("case", range(len(_roofline_cases())))
+def test_roofline_prices_as_dtr_cost_does(case):
+    """The native engine's C++ roofline (csrc/roofline.cpp) gives dtr/cost.py's estimate
+    of the same call: matmuls and convolutions (forward, transposed, and the backward's
+    output masks) by torch's FLOP formulas, everything else by bytes moved."""
+    from dtr import _C
+    from dtr.cost import flops, roofline
+
+    func, args = _roofline_cases()[case]
+    out = func(*args)
+    results = list(out) if isinstance(out, tuple) else [out]
+    expect = roofline(func, tuple(args), {}, out)
+    assert expect > 0
+    assert _C.roofline_seconds(func._schema.name, args, results) == pytest.approx(expect, rel=1e-12)
+    if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.convolution_backward):
+        assert flops(func, tuple(args), {}, out) > 0  # the FLOP side was exercised
+
+
+def test_roofline_costs_repeat_the_same_evictions():
+    """With the deterministic cost model, two runs of one program under one budget evict
+    the same tensors in the same order (measured times would let them differ)."""
+    budget = int(_peak("residual") * 0.6)
+
+    def logged():
+        with native.enable(budget=budget, cost_model="roofline") as session:
+            session._engine.log_evictions(True)
+            _train(*_model("residual"))
+            log = session._engine.eviction_log()
+        return log, session.stats()
+
+    (first, stats), (second, _) = logged(), logged()
+    assert stats.evictions > 10 and stats.remats > 0, stats
+    assert first == second
+
+
+def test_bad_cost_model_is_a_config_error(monkeypatch):
+    with pytest.raises(dtr.ConfigError, match="dtr: unknown cost_model 'flops'"):
+        native.enable(cost_model="flops")
+    monkeypatch.setenv("DTR_COST_MODEL", "roofline")
+    assert native.enable().cost_model == "roofline"
+
+
 def _chain(x, w, n: int = 8):
     """Matmuls with in-place writes after each: every write gets a version."""
     outs = []
