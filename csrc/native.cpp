@@ -21,8 +21,9 @@
 // out plain, as by the default engine. A budget that cannot be met raises dtr.BudgetError
 // with the numbers. Before an op runs under a budget, room is made for the bytes the last
 // call with the same op and input shapes allocated (dtr/reserve.py).
-// Stress mode evicts everything evictable after every op. Trace, timeline and OOM retry
-// are not here yet.
+// Stress mode evicts everything evictable after every op. A trace (csrc/native_trace.h)
+// records the core calls in the default engine's format, for dtr.sim. Timeline and OOM
+// retry are not here yet.
 #include "native.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -30,6 +31,7 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -47,6 +49,7 @@
 #include <vector>
 
 #include "core.h"
+#include "native_trace.h"
 #include "protocol.h"
 #include "roofline.h"
 
@@ -210,9 +213,10 @@ c10::Storage empty_storage(size_t nbytes, c10::Device device) {
 
 struct Engine : std::enable_shared_from_this<Engine> {
   Engine(const std::string& heuristic, int64_t budget, uint64_t seed, bool roofline)
-      : core(heuristic, budget, seed, 0), roofline(roofline) {}
+      : core(heuristic, budget, seed, 0), seed(seed), roofline(roofline) {}
 
   Core core;
+  const uint64_t seed;  // the random heuristic's (a trace records it)
   std::recursive_mutex mu;
   std::atomic<bool> open{true};
   std::vector<at::Tensor> values;  // per tid: the plain tensor over the shared StorageImpl
@@ -239,9 +243,10 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // An op's cost: its measured wall time, or the roofline estimate (csrc/roofline.h),
   // with which the same program under the same budget evicts the same tensors each run.
   const bool roofline;
-  bool reserve = true;  // make room before an op (tests and benchmarks turn it off)
-  bool stress = false;  // evict everything evictable after every op (testing mode)
-  bool check = false;   // verify the core's invariants after every op (tests)
+  bool reserve = true;           // make room before an op (tests and benchmarks turn it off)
+  bool stress = false;           // evict everything evictable after every op (testing mode)
+  std::unique_ptr<Trace> trace;  // the operator trace being written, if any
+  bool check = false;            // verify the core's invariants after every op (tests)
 
   ~Engine() {
     if (!leaf_hook) return;
@@ -271,7 +276,11 @@ struct Engine : std::enable_shared_from_this<Engine> {
       }
       if (now.empty()) return;
       if (open)
-        for (const auto& cell : now) core.release(cell->tid);
+        for (const auto& cell : now) {
+          // the trace gives a tensor one handle: its RELEASE is the program's last one
+          if (trace && core.ext(cell->tid) == 1) trace->release(cell->tid);
+          core.release(cell->tid);
+        }
       drain();
     }
   }
@@ -327,6 +336,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
     auto it = const_tid.find(s);
     if (it != const_tid.end()) return it->second;
     int64_t tid = core.new_constant(static_cast<int64_t>(t.storage().nbytes()));
+    if (trace) trace->constant(tid, static_cast<int64_t>(t.storage().nbytes()));
     const_tid[s] = tid;
     if (static_cast<int64_t>(const_storage.size()) <= tid) const_storage.resize(tid + 1);
     const_storage[tid] = t.storage();
@@ -336,6 +346,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
 
   // ---- Driver.invalidate (csrc/protocol.h): what reads `seeds` is materialized and pinned
   void invalidate(const std::vector<int64_t>& seeds) {
+    if (trace) trace->invalidate(seeds);
     dtr::invalidate(core, seeds, [&](int64_t t) { rematerialize(t); }, [&] { drain(); });
   }
   void writes_to_plain(const at::Tensor& t) {
@@ -507,11 +518,12 @@ struct Engine : std::enable_shared_from_this<Engine> {
     std::exception_ptr error;  // the engine closes whatever happens (an interrupt, OOM)
     try {
       flush();
+      if (trace) trace->close();  // END: what is still held is materialized (as below)
       // Everything still held is materialized (read after the block); then no lineage.
       core.budget = -1;
       for (int64_t t : core.alive())
-        if (t < static_cast<int64_t>(values.size()) && values[t].defined() && !resident(t) &&
-            !core.is_constant(t)) {
+        if (t < static_cast<int64_t>(values.size()) && values[t].defined() &&
+            !core.is_materialized(t) && !core.is_constant(t)) {
           core.lock(t);
           rematerialize(t);
           core.unlock(t);
@@ -520,6 +532,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
       error = std::current_exception();
     }
     open = false;
+    trace.reset();
     recipes.clear();
     output_of.clear();
     values.clear();  // the program's tensors keep their own storages
@@ -618,9 +631,10 @@ at::Tensor export_value(Engine& e, const at::Tensor& t) {
   if (impl->eng_.get() != &e || !e.open) return plain_view(t);
   e.flush();
   const int64_t tid = impl->tid();
+  if (e.trace) e.trace->exported(tid);
   e.core.lock(tid);
   try {
-    if (!e.resident(tid)) e.rematerialize(tid);
+    if (!e.core.is_materialized(tid)) e.rematerialize(tid);
   } catch (...) {
     e.core.unlock(tid);
     e.drain();
@@ -819,31 +833,41 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         set_item((*stack)[begin + leaves[k].arg], leaves[k].item, passed[k]);
       }
     }
+    // as Runtime._run: plain inputs become constants first, then the managed ones are
+    // locked, then rebuilt (the order the trace's CONSTANT and INPUTS lines replay)
+    for (size_t k = 0; k < leaves.size(); ++k) {
+      Leaf& l = leaves[k];
+      if (facts.meta_only || l.native) continue;
+      if (l.tensor.defined() && !is_written(l.arg)) tids[k] = e.constant(l.tensor, fresh);
+      passed[k] = l.tensor;
+    }
+    std::vector<int64_t> managed_inputs;
     for (size_t k = 0; k < leaves.size(); ++k) {
       Leaf& l = leaves[k];
       if (l.native && !facts.meta_only) {
         tids[k] = l.native->tid();
         core.lock(tids[k]);
         locked.push_back(tids[k]);
+        managed_inputs.push_back(tids[k]);
       }
     }
+    if (e.trace) e.trace->phase(torch::autograd::get_current_graph_task_id() != -1);
     for (size_t k = 0; k < leaves.size(); ++k) {
       Leaf& l = leaves[k];
-      if (facts.meta_only) continue;
-      if (!l.native) {
-        if (l.tensor.defined() && !is_written(l.arg)) tids[k] = e.constant(l.tensor, fresh);
-        passed[k] = l.tensor;
-        continue;
-      }
-      if (!e.resident(tids[k])) e.rematerialize(tids[k]);
+      if (facts.meta_only || !l.native) continue;
+      // the core's view, not the storage's: a view whose base was rebuilt shares its
+      // memory but is rebuilt through its own recipe, as the default engine and a replay do
+      if (!core.is_materialized(tids[k])) e.rematerialize(tids[k]);
       passed[k] = e.values[tids[k]];
       set_item((*stack)[begin + l.arg], l.item, passed[k]);
     }
     // Room for the outputs before they exist, as much as the last such call made (Runtime
     // ._run); if it cannot be made, the boundary after the op reports the budget. Ops that
-    // read no managed value (meta-only ones) reserve nothing, as in the default engine.
+    // read no managed value (meta-only ones) reserve nothing, as in the default engine. A
+    // trace records the guess with no budget too, for replays under one.
     std::vector<int64_t> size_key;
-    if (core.budget >= 0 && e.reserve && !facts.meta_only) {
+    int64_t reserve = 0;
+    if ((core.budget >= 0 || e.trace) && e.reserve && !facts.meta_only) {
       size_key.reserve(2 + 4 * leaves.size());
       size_key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&schema)));
       for (const Leaf& l : leaves) {
@@ -856,12 +880,13 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         for (int64_t d : l.tensor.sizes()) size_key.push_back(d);
       }
       auto it = e.out_sizes.find(size_key);
-      const int64_t reserve = it == e.out_sizes.end() ? 0 : it->second;
-      if (reserve > 0 && core.resident_bytes + reserve > core.budget) {
+      reserve = it == e.out_sizes.end() ? 0 : it->second;
+      if (reserve > 0 && core.budget >= 0 && core.resident_bytes + reserve > core.budget) {
         core.make_room(reserve);
         e.drain();
       }
     }
+    if (e.trace) e.trace->inputs(managed_inputs, reserve);
     // In-place writes (Invariant 4, Runtime._prepare_writes): a managed tensor that is the
     // only one of its storage the program holds gets a new version (its old value keeps
     // its lineage); any other written tensor has what reads it materialized and pinned.
@@ -1028,6 +1053,20 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       for (const Slot& s : rec.slots) set_item(rec.args[s.arg], s.item, at::Tensor());
       rec.outs = outs;
       const std::vector<int64_t> out_tids = core.record(inputs, cost, kinds, refs, nbytes);
+      if (e.trace) {
+        std::vector<int64_t> aliases;  // the trace's ALIAS: an index into ARGS, or past it
+        for (size_t q = 0; q < kinds.size(); ++q) {
+          int64_t a = -1;
+          if (refs[q] >= 0) {
+            for (size_t k = 0; k < inputs.size() && a < 0; ++k)
+              if (inputs[k] == refs[q]) a = static_cast<int64_t>(k);
+          } else if (kinds[q] != kNew) {
+            a = static_cast<int64_t>(inputs.size()) - refs[q] - 1;  // result -(refs + 1)
+          }
+          aliases.push_back(a);
+        }
+        e.trace->call(schema.name(), inputs, out_tids, cost, kinds, aliases, nbytes, fresh);
+      }
       rec.out_tids = out_tids;
       int64_t rid = core.recipe_of(out_tids[0]);
       if (static_cast<int64_t>(e.recipes.size()) <= rid) e.recipes.resize(rid + 1);
@@ -1051,9 +1090,9 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         set_item((*stack)[rbegin + outs[q].ret], outs[q].item, w);
       }
     }
+    if (e.trace && kinds.empty()) e.trace->call(schema.name(), {}, {}, cost, {}, {}, {}, fresh);
     finish();
     e.drain();
-    if (!record) return;
     // the op boundary (Runtime._settle): its fresh outputs protected while choosing
     for (int64_t t : protect) core.lock(t);
     bool ok = core.make_room(0);
@@ -1159,6 +1198,17 @@ void bind(py::module_& m) {
            })
       .def_readwrite("reserve", &Engine::reserve)
       .def_readwrite("stress", &Engine::stress)
+      .def(
+          "start_trace",
+          [](Engine& e, const std::string& path, const std::string& cost_model) {
+            std::lock_guard<std::recursive_mutex> g(e.mu);
+            e.trace = std::make_unique<Trace>(path, e.core.heuristic, e.core.budget, cost_model,
+                                              e.stress, e.core.search_sample, e.seed);
+          },
+          py::arg("path"), py::arg("cost_model"))
+      .def_property(
+          "search_sample", [](Engine& e) { return e.core.search_sample; },
+          [](Engine& e, int64_t n) { e.core.search_sample = n; })
       .def("log_evictions",
            [](Engine& e, bool on) {
              std::lock_guard<std::recursive_mutex> g(e.mu);

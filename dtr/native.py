@@ -11,8 +11,8 @@ write nothing, views, plain ops, in-place writes (new versions, as the default e
 and random ops (replayed from their generator's state); it refuses, naming the op,
 in-place ops that change a managed tensor's shape or storage, and tensors off the CPU.
 Gradients accumulated into a leaf's .grad are handed out plain. An infeasible budget
-raises dtr.BudgetError. Traces, timelines, OOM retry and the simulator are the default
-engine's (dtr.enable).
+raises dtr.BudgetError. Traces (trace=, DTR_TRACE) are the default engine's format, for
+dtr.sim; timelines and OOM retry are the default engine's only (dtr.enable).
 
 While a session is open, CPU allocations of 64 KiB and up in this process go through a
 cache that keeps freed blocks for the next request of the same size, as CUDA's caching
@@ -24,7 +24,9 @@ freed when the session ends.
 
 from __future__ import annotations
 
+import gzip
 import os
+import shutil
 
 import torch
 
@@ -73,6 +75,7 @@ class NativeSession:
         stress: bool | None = None,
         check: bool | None = None,
         cost_model: str | None = None,
+        trace: str | None = None,
     ):
         parsed = None if budget is None else _config.parse_budget(budget)
         self.cache_bytes = 0 if cache in (0, None) else _config.parse_budget(cache, "cache")
@@ -96,6 +99,8 @@ class NativeSession:
         for name in ("stress", "check"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"dtr: {name} must be True or False, not {getattr(self, name)!r}")
+        # an operator trace for dtr.sim, as dtr.enable's (default: DTR_TRACE)
+        self.trace = trace or env.get(_config.ENV_TRACE, "").strip() or None
         self._engine = None
         self._guard = None
         self._hooks: list = []  # post-accumulate-grad hook handles, removed at exit
@@ -110,6 +115,9 @@ class NativeSession:
         engine.set_leaf_hook(self._hook_leaf)
         engine.stress = self.stress
         engine.check_each_op = self.check
+        engine.search_sample = _config.SEARCH_SAMPLE_DEFAULT
+        if self.trace is not None:
+            engine.start_trace(self._trace_file(), self.cost_model)
         engine.activate()
         if self.cache_bytes:
             try:
@@ -137,6 +145,12 @@ class NativeSession:
 
                     self.cache_stats = _C.cpu_cache_stats()
                     _C.cpu_cache_detach()
+                if self.trace is not None and self._trace_file() != self.trace:
+                    _compress(self._trace_file(), self.trace)
+
+    def _trace_file(self) -> str:
+        """Where the engine writes its trace: the path, or beside it while compressing."""
+        return self.trace + ".part" if self.trace.endswith(".gz") else self.trace
 
     def _hook_leaf(self, leaf: torch.Tensor) -> None:
         # Called by the engine once per leaf an op reads under grad mode.
@@ -165,6 +179,12 @@ class NativeSession:
         )
 
 
+def _compress(src: str, dst: str) -> None:
+    with open(src, "rb") as f, gzip.open(dst, "wb") as out:
+        shutil.copyfileobj(f, out)
+    os.remove(src)
+
+
 def enable(
     budget=None,
     heuristic: str | None = None,
@@ -173,13 +193,15 @@ def enable(
     stress: bool | None = None,
     check: bool | None = None,
     cost_model: str | None = None,
+    trace: str | None = None,
 ) -> NativeSession:
     """The native engine for a `with` block (budget syntax as dtr.enable's; cache: the
     idle bytes the CPU allocation cache may keep, same syntax, 0 for none; stress: evict
     everything evictable after every op, a testing mode (default: DTR_STRESS); check:
     verify the core's invariants after every op (default: DTR_DEBUG); cost_model: "time"
-    or "roofline", as dtr.enable's (default: DTR_COST_MODEL, else "time"))."""
-    return NativeSession(budget, heuristic, seed, cache, stress, check, cost_model)
+    or "roofline", as dtr.enable's (default: DTR_COST_MODEL, else "time"); trace: write an
+    operator trace there for dtr.sim, ".gz" compressed (default: DTR_TRACE))."""
+    return NativeSession(budget, heuristic, seed, cache, stress, check, cost_model, trace)
 
 
 def is_managed(t: torch.Tensor) -> bool:

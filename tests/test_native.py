@@ -7,6 +7,7 @@ usable after the block, and what it does not serve refused by name."""
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 
 import pytest
@@ -345,6 +346,53 @@ def test_roofline_costs_repeat_the_same_evictions():
     (first, stats), (second, _) = logged(), logged()
     assert stats.evictions > 10 and stats.remats > 0, stats
     assert first == second
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "lstm", "transformer", "tree"])
+def test_a_native_run_and_its_trace_replayed_evict_alike(name, tmp_path):
+    """The native engine writes the default engine's trace format (trace=, .gz
+    compressed): dtr.sim replays it, both of its cores, to the same evictions in the same
+    order as the live run, under the same budget and (roofline) costs."""
+    import gzip
+
+    from dtr import sim
+    from dtr.sim import program as P
+
+    with native.enable(cost_model="roofline") as free:
+        _bench_run(name, contextlib.nullcontext())
+    budget = int(free.stats().peak_resident_bytes * 0.4)
+    path = str(tmp_path / f"{name}.jsonl.gz")
+    with native.enable(budget=budget, cost_model="roofline", trace=path) as session:
+        session._engine.log_evictions(True)
+        _bench_run(name, contextlib.nullcontext())
+        live_log = session._engine.eviction_log()
+    stats = session.stats()
+    assert stats.evictions == len(live_log) > 0
+    with gzip.open(path, "rt") as f:
+        start = json.loads(f.readline())
+    assert start["DTR"] == "1" and start["BUDGET"] == str(budget)
+    assert start["COST_MODEL"] == "roofline"
+    prog = sim.load(path)
+    assert prog.mode == P.LIVE
+    assert any(ins[0] == "RESERVE" for ins in P.disassemble(prog))  # room made before ops
+    for engine in ("c++", "python"):
+        res = sim.simulate(prog, "dtr", budget=budget, engine=engine, log=True, thrash=0)
+        assert res.status == "ok"
+        assert res.eviction_log == live_log
+        assert (res.evictions, res.remats) == (stats.evictions, stats.remats)
+
+
+def test_trace_from_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "run.jsonl"
+    monkeypatch.setenv("DTR_TRACE", str(path))
+    with native.enable() as session:
+        _train(*_model("mlp"), steps=1)
+    assert session.trace == str(path)
+    with open(path) as f:
+        lines = [json.loads(line) for line in f]
+    assert lines[0]["ANNOTATION"] == "START" and lines[-1]["ANNOTATION"] == "END"
+    assert any(line.get("ANNOTATION") == "BACKWARD" for line in lines)
+    assert sum(line["INSTRUCTION"] == "CALL" for line in lines) > 20
 
 
 def test_bad_cost_model_is_a_config_error(monkeypatch):
