@@ -319,11 +319,6 @@ struct Engine : std::enable_shared_from_this<Engine> {
         s->set_data_ptr(at::DataPtr(nullptr, s->_mutable_data_ptr_no_checks().device()));
     s->release_data_and_set_meta_custom_data_ptr_error_msg_(std::string(kEvictedMsg));
   }
-  bool resident(int64_t t) const {
-    return values[t].defined() &&
-           values[t].storage().unsafeGetStorageImpl()->_mutable_data_ptr_no_checks().get() !=
-               nullptr;
-  }
   void set(std::vector<at::Tensor>& v, int64_t t, at::Tensor x) {
     if (static_cast<int64_t>(v.size()) <= t) v.resize(t + 1);
     v[t] = std::move(x);
@@ -749,6 +744,25 @@ const OpFacts& facts_of(const c10::OperatorHandle& op) {
   return cache.emplace(key, make_facts(op)).first->second;
 }
 
+// The key of an op call in Engine::out_sizes: the op (its schema's address) and each
+// tensor argument's dtype and sizes.
+std::vector<int64_t> size_key_of(const c10::FunctionSchema& schema,
+                                 const std::vector<Leaf>& leaves) {
+  std::vector<int64_t> key;
+  key.reserve(1 + 4 * leaves.size());
+  key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&schema)));
+  for (const Leaf& l : leaves) {
+    if (!l.tensor.defined()) {
+      key.push_back(-1);
+      continue;
+    }
+    key.push_back(static_cast<int64_t>(l.tensor.scalar_type()));
+    key.push_back(l.tensor.dim());
+    for (int64_t d : l.tensor.sizes()) key.push_back(d);
+  }
+  return key;
+}
+
 // ---------------------------------------------------------------- the fallback
 void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
@@ -868,17 +882,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     std::vector<int64_t> size_key;
     int64_t reserve = 0;
     if ((core.budget >= 0 || e.trace) && e.reserve && !facts.meta_only) {
-      size_key.reserve(2 + 4 * leaves.size());
-      size_key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(&schema)));
-      for (const Leaf& l : leaves) {
-        if (!l.tensor.defined()) {
-          size_key.push_back(-1);
-          continue;
-        }
-        size_key.push_back(static_cast<int64_t>(l.tensor.scalar_type()));
-        size_key.push_back(l.tensor.dim());
-        for (int64_t d : l.tensor.sizes()) size_key.push_back(d);
-      }
+      size_key = size_key_of(schema, leaves);
       auto it = e.out_sizes.find(size_key);
       reserve = it == e.out_sizes.end() ? 0 : it->second;
       if (reserve > 0 && core.budget >= 0 && core.resident_bytes + reserve > core.budget) {
