@@ -38,6 +38,7 @@ from .stats import Stats
 
 _installed = False
 DEFAULT_CACHE = "1GiB"
+OPTIONS = ("seed", "cache", "stress", "check", "cost_model", "trace")  # enable()'s **options
 
 
 def _install() -> None:
@@ -185,23 +186,27 @@ def _compress(src: str, dst: str) -> None:
     os.remove(src)
 
 
-def enable(
-    budget=None,
-    heuristic: str | None = None,
-    seed: int = 0,
-    cache=DEFAULT_CACHE,
-    stress: bool | None = None,
-    check: bool | None = None,
-    cost_model: str | None = None,
-    trace: str | None = None,
-) -> NativeSession:
-    """The native engine for a `with` block (budget syntax as dtr.enable's; cache: the
-    idle bytes the CPU allocation cache may keep, same syntax, 0 for none; stress: evict
-    everything evictable after every op, a testing mode (default: DTR_STRESS); check:
-    verify the core's invariants after every op (default: DTR_DEBUG); cost_model: "time"
-    or "roofline", as dtr.enable's (default: DTR_COST_MODEL, else "time"); trace: write an
-    operator trace there for dtr.sim, ".gz" compressed (default: DTR_TRACE))."""
-    return NativeSession(budget, heuristic, seed, cache, stress, check, cost_model, trace)
+def enable(budget=None, heuristic: str | None = None, **options) -> NativeSession:
+    """The native engine for a `with` block.
+
+    Args:
+        budget, heuristic: as dtr.enable's (same syntax).
+        **options: ``cache`` the idle bytes the CPU allocation cache may keep (same
+            syntax as a budget, 0 for none; default 1 GiB); ``stress=True`` evicts every
+            evictable tensor after every op, a testing mode (default: ``DTR_STRESS``);
+            ``check=True`` verifies the core's invariants after every op (default:
+            ``DTR_DEBUG``); ``cost_model`` "time" or "roofline", as dtr.enable's
+            (default: ``DTR_COST_MODEL``, else "time"); ``trace`` a path to write an
+            operator trace to for dtr.sim, compressed if it ends in ".gz" (default:
+            ``DTR_TRACE``); ``seed`` for the random heuristic.
+    """
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"dtr: unknown option(s) for dtr.native.enable: {', '.join(unknown)}; "
+            f"valid: {', '.join(OPTIONS)}"
+        )
+    return NativeSession(budget, heuristic, **options)
 
 
 def is_managed(t: torch.Tensor) -> bool:

@@ -247,6 +247,11 @@ def test_stress_from_the_environment(kind, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
 
 
+def test_unknown_option_is_a_config_error():
+    with pytest.raises(dtr.ConfigError, match="dtr: unknown option.*: timeline; valid: seed"):
+        native.enable(timeline=10)
+
+
 def test_bad_stress_flag_is_a_config_error():
     with pytest.raises(dtr.ConfigError, match="dtr: stress must be True or False"):
         native.enable(stress="yes")
