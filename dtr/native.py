@@ -190,7 +190,8 @@ def enable(budget=None, heuristic: str | None = None, **options) -> NativeSessio
     """The native engine for a `with` block.
 
     Args:
-        budget, heuristic: as dtr.enable's (same syntax).
+        budget, heuristic: as dtr.enable's (same syntax), but given here only: the
+            environment's DTR_MEMORY_BUDGET and DTR_HEURISTIC are dtr.enable's.
         **options: ``cache`` the idle bytes the CPU allocation cache may keep (same
             syntax as a budget, 0 for none; default 1 GiB); ``stress=True`` evicts every
             evictable tensor after every op, a testing mode (default: ``DTR_STRESS``);
