@@ -855,14 +855,12 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       if (l.tensor.defined() && !is_written(l.arg)) tids[k] = e.constant(l.tensor, fresh);
       passed[k] = l.tensor;
     }
-    std::vector<int64_t> managed_inputs;
     for (size_t k = 0; k < leaves.size(); ++k) {
       Leaf& l = leaves[k];
       if (l.native && !facts.meta_only) {
         tids[k] = l.native->tid();
         core.lock(tids[k]);
         locked.push_back(tids[k]);
-        managed_inputs.push_back(tids[k]);
       }
     }
     if (e.trace) e.trace->phase(torch::autograd::get_current_graph_task_id() != -1);
@@ -890,7 +888,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         e.drain();
       }
     }
-    if (e.trace) e.trace->inputs(managed_inputs, reserve);
+    if (e.trace) e.trace->inputs(locked, reserve);  // the managed inputs, locked above
     // In-place writes (Invariant 4, Runtime._prepare_writes): a managed tensor that is the
     // only one of its storage the program holds gets a new version (its old value keeps
     // its lineage); any other written tensor has what reads it materialized and pinned.
