@@ -1198,6 +1198,14 @@ void bind(py::module_& m) {
              deactivate();
              self->leaf_hook = py::object();
            })
+      .def(
+          "set_budget",
+          [](Engine& e, int64_t nbytes) {  // -1: none
+            std::lock_guard<std::recursive_mutex> g(e.mu);
+            e.core.budget = nbytes;
+            if (e.trace) e.trace->budget(nbytes);
+          },
+          py::arg("nbytes"))
       .def_readwrite("reserve", &Engine::reserve)
       .def_readwrite("stress", &Engine::stress)
       .def(

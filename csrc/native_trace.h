@@ -81,6 +81,10 @@ class Trace {
            (kinds[j] == kVersion ? ",\"VERSION\":\"1\"}" : "}"));
     }
   }
+  void budget(int64_t nbytes) {  // session.set_budget(): the budget from the next op on
+    line("{\"INSTRUCTION\":\"ANNOTATE\",\"ANNOTATION\":\"BUDGET\",\"BUDGET\":" +
+         quote(std::to_string(nbytes)) + "}");
+  }
   void release(int64_t tid) { line("{\"INSTRUCTION\":\"RELEASE\",\"NAME\":" + label(tid) + "}"); }
   void exported(int64_t tid) { line("{\"INSTRUCTION\":\"EXPORT\",\"NAME\":" + label(tid) + "}"); }
   void close() {

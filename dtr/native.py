@@ -164,6 +164,15 @@ class NativeSession:
         if grad is not None and self._engine.open and is_managed(grad):
             param.grad = self._engine.export(grad)
 
+    def set_budget(self, budget) -> None:
+        """Change the budget inside the block (bytes, or a string such as '2GiB'; None for
+        unlimited). Takes effect at the next op; a trace records it."""
+        if self._engine is None or not self._engine.open:
+            raise DTRError("dtr: set_budget() needs an active session")
+        parsed = _config.parse_budget(budget)
+        self.budget = -1 if parsed is None else parsed
+        self._engine.set_budget(self.budget)
+
     def reset_peak(self) -> None:
         """Start the peak counters (peak_resident_bytes, max_transient_bytes) afresh."""
         if self._engine is None or not self._engine.open:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import dtr
 import dtr.native as native
+from dtr.errors import DTRError
 
 pytest.importorskip("dtr._C", reason="the native engine is C++")
 
@@ -385,6 +386,47 @@ def test_a_native_run_and_its_trace_replayed_evict_alike(name, tmp_path):
         assert res.status == "ok"
         assert res.eviction_log == live_log
         assert (res.evictions, res.remats) == (stats.evictions, stats.remats)
+
+
+@pytest.mark.parametrize("change", [0.7, None])
+def test_set_budget_takes_effect_at_the_next_op_and_is_in_the_trace(change, tmp_path):
+    """session.set_budget() between steps: the run stays bitwise as eager, evicts from then
+    on (or stops evicting), and a replay of its trace at its first budget follows the
+    change to the same evictions."""
+    from dtr import sim
+    from dtr.sim import program as P
+
+    peak = _peak("residual")
+    first = int(peak * 0.9)
+    expect = _train(*_model("residual"))
+    path = str(tmp_path / "budget.jsonl")
+    model, x, y = _model("residual")
+    torch.manual_seed(1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    with native.enable(budget=first, cost_model="roofline", trace=path) as session:
+        session._engine.log_evictions(True)
+        for step in range(3):
+            if step == 1:
+                session.set_budget(None if change is None else int(peak * change))
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        live_log = session._engine.eviction_log()
+    stats = session.stats()
+    assert stats.budget_bytes == (None if change is None else int(peak * change))
+    assert losses == expect[0]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), expect[1], strict=True))
+    prog = sim.load(path)
+    assert sum(ins[0] == "BUDGET" for ins in P.disassemble(prog)) == 1
+    res = sim.simulate(prog, "dtr", budget=first, log=True, thrash=0)
+    assert res.eviction_log == live_log and res.evictions == stats.evictions
+    if change is not None:
+        assert stats.evictions > 0 and stats.remats > 0
+    with pytest.raises(DTRError, match="needs an active session"):
+        session.set_budget("1GiB")
 
 
 def test_trace_from_the_environment(tmp_path, monkeypatch):
