@@ -31,14 +31,13 @@ import shutil
 import torch
 
 from . import config as _config
-from ._pycore import HEURISTICS
-from .cost import COST_MODELS
 from .errors import ConfigError, DTRError
 from .stats import Stats
 
 _installed = False
 DEFAULT_CACHE = "1GiB"
-OPTIONS = ("seed", "cache", "stress", "check", "cost_model", "trace")  # enable()'s **options
+# dtr.enable's options the native engine implements (and `cache`, its own)
+OPTIONS = ("seed", "stress", "check", "cost_model", "trace")
 
 
 def _install() -> None:
@@ -67,41 +66,31 @@ def _install() -> None:
 class NativeSession:
     """A context manager: the native engine is on for the thread that enters it."""
 
-    def __init__(
-        self,
-        budget=None,
-        heuristic: str | None = None,
-        seed: int = 0,
-        cache=DEFAULT_CACHE,
-        stress: bool | None = None,
-        check: bool | None = None,
-        cost_model: str | None = None,
-        trace: str | None = None,
-    ):
-        parsed = None if budget is None else _config.parse_budget(budget)
+    def __init__(self, budget=None, heuristic: str | None = None, cache=DEFAULT_CACHE, **options):
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ConfigError(
+                f"dtr: unknown option(s) for dtr.native.enable: {', '.join(unknown)}; "
+                f"valid: {', '.join((*OPTIONS, 'cache'))}"
+            )
+        # dtr.enable's resolution of the options and of their environment variables
+        # (DTR_STRESS, DTR_DEBUG, DTR_COST_MODEL, DTR_TRACE), but the budget and heuristic
+        # are taken as given here: DTR_MEMORY_BUDGET and DTR_HEURISTIC are dtr.enable's.
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in (_config.ENV_BUDGET, _config.ENV_HEURISTIC)
+        }
+        config = _config.resolve(budget, heuristic, env=env, **options)
+        self.budget = -1 if config.budget_bytes is None else config.budget_bytes
+        self.heuristic = config.heuristic
+        self.seed = config.seed
+        self.stress = config.stress
+        self.check = config.check
+        self.cost_model = config.cost_model
+        self.trace = config.trace  # an operator trace for dtr.sim, if any
         self.cache_bytes = 0 if cache in (0, None) else _config.parse_budget(cache, "cache")
         self.cache_stats: dict | None = None  # the cache's hits and misses, after the block
-        self.budget = -1 if parsed is None else parsed
-        self.heuristic = heuristic or "dtr"
-        if self.heuristic not in HEURISTICS:
-            raise ConfigError(
-                f"dtr: unknown heuristic {self.heuristic!r}; one of {', '.join(HEURISTICS)}"
-            )
-        self.seed = seed
-        # as dtr.enable's: off unless asked for, here or by DTR_STRESS / DTR_DEBUG
-        env = os.environ
-        self.stress = bool(_config._env_flag(env, _config.ENV_STRESS)) if stress is None else stress
-        self.check = bool(_config._env_flag(env, _config.ENV_DEBUG)) if check is None else check
-        self.cost_model = cost_model or env.get(_config.ENV_COST_MODEL, "").strip() or "time"
-        if self.cost_model not in COST_MODELS:
-            raise ConfigError(
-                f"dtr: unknown cost_model {self.cost_model!r}; valid: {', '.join(COST_MODELS)}"
-            )
-        for name in ("stress", "check"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"dtr: {name} must be True or False, not {getattr(self, name)!r}")
-        # an operator trace for dtr.sim, as dtr.enable's (default: DTR_TRACE)
-        self.trace = trace or env.get(_config.ENV_TRACE, "").strip() or None
         self._engine = None
         self._guard = None
         self._hooks: list = []  # post-accumulate-grad hook handles, removed at exit
@@ -210,12 +199,6 @@ def enable(budget=None, heuristic: str | None = None, **options) -> NativeSessio
             operator trace to for dtr.sim, compressed if it ends in ".gz" (default:
             ``DTR_TRACE``); ``seed`` for the random heuristic.
     """
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ConfigError(
-            f"dtr: unknown option(s) for dtr.native.enable: {', '.join(unknown)}; "
-            f"valid: {', '.join(OPTIONS)}"
-        )
     return NativeSession(budget, heuristic, **options)
 
 

@@ -254,7 +254,7 @@ def test_unknown_option_is_a_config_error():
 
 
 def test_bad_stress_flag_is_a_config_error():
-    with pytest.raises(dtr.ConfigError, match="dtr: stress must be True or False"):
+    with pytest.raises(dtr.ConfigError, match="dtr: option stress must be a bool, got .yes."):
         native.enable(stress="yes")
 
 
