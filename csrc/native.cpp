@@ -14,10 +14,12 @@
 // Runtime._writes_to_plain), ops that write plain tensors from managed ones (an optimizer
 // reading managed gradients), in-place writes to managed tensors (Invariant 4: a new
 // version when the tensor is private, else what reads it is pinned; a recipe that must
-// read a written argument's old value reads a copy taken before the op), and random ops
-// (replayed from the generator state captured before they ran, Invariant 1). Refused with
-// NotImplementedError naming the op: in-place ops that change a managed tensor's shape or
-// storage, tensors not on the CPU. Gradients accumulated into a leaf's .grad are handed
+// read a written argument's old value reads a copy taken before the op), in-place view ops
+// (x.squeeze_(): the view op, x naming its result), random ops (replayed from the
+// generator state captured before they ran, Invariant 1), and ops on sparse, quantized or
+// nested tensors (left plain). Refused with dtr.UnsupportedError naming the op: in-place
+// ops that replace a managed tensor's storage (resize_, set_), a managed tensor mixed with
+// a sparse one, tensors not on the CPU. Gradients accumulated into a leaf's .grad are handed
 // out plain, as by the default engine. A budget that cannot be met raises dtr.BudgetError
 // with the numbers. Before an op runs under a budget, room is made for the bytes the last
 // call with the same op and input shapes allocated (dtr/reserve.py).
@@ -128,6 +130,21 @@ struct BudgetExceeded : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// An op the engine does not serve on managed tensors: raised to Python as
+// dtr.UnsupportedError (a NotImplementedError), converted as BudgetExceeded is.
+struct Unsupported : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// How Python names an op overload (str(torch.ops.aten.squeeze_.dim)): the default engine's
+// messages name ops so, and the two engines' messages are the same.
+std::string py_name(const c10::FunctionSchema& schema) {
+  std::string name = schema.name();
+  const size_t colon = name.find("::");
+  if (colon != std::string::npos) name.replace(colon, 2, ".");
+  return name + "." + (schema.overload_name().empty() ? "default" : schema.overload_name());
+}
+
 std::string format_bytes(int64_t nbytes) {  // dtr.units.format_bytes
   if (nbytes < 1024) return std::to_string(nbytes) + " B";
   double v = static_cast<double>(nbytes);
@@ -183,10 +200,19 @@ struct Below {
   c10::impl::ForceDispatchKeyGuard guard_;
 };
 
+// The keys of t's value that are part of its meaning, not of its device: a lazy
+// conjugate or negation (a conj() view's bit, ifft's result), a zero tensor. A tensor
+// standing for t must carry them, or it reads as another value.
+c10::DispatchKeySet meaning_keys(const at::Tensor& t) {
+  constexpr c10::DispatchKeySet kMeaning(
+      {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor});
+  return t.unsafeGetTensorImpl()->key_set() & kMeaning;
+}
+
 // A plain tensor with t's metadata over `storage`.
 at::Tensor over(const at::Tensor& t, c10::Storage storage) {
   auto impl = c10::make_intrusive<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU) | meaning_keys(t), t.dtype());
   impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
   return at::Tensor(std::move(impl));
 }
@@ -549,8 +575,8 @@ namespace {
 // ---------------------------------------------------------------- the tensor
 struct NativeImpl final : public c10::TensorImpl {
   NativeImpl(std::shared_ptr<Engine> eng, int64_t tid, const at::Tensor& value)
-      : c10::TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), value.dtype(),
-                        value.device()),
+      : c10::TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1) | meaning_keys(value),
+                        value.dtype(), value.device()),
         eng_(std::move(eng)),
         cell_(std::make_shared<Cell>(Cell{tid})) {
     storage_ = value.storage();
@@ -595,6 +621,20 @@ struct NativeImpl final : public c10::TensorImpl {
   }
   const char* tensorimpl_type_name() const override { return "dtr.NativeImpl"; }
   int64_t tid() const { return cell_->tid; }
+
+  // x.squeeze_() and kin, after the view op made y from x: x names y's tensor from now on
+  // (its handle moves over; copies of x taken before, autograd's, keep the old one) and
+  // takes y's geometry. The storage is the same.
+  void adopt(const NativeImpl& y) {
+    eng_->dropped(std::move(cell_));
+    cell_ = y.cell_;
+    eng_->retain(*cell_);
+    sizes_and_strides_.set_sizes(y.sizes());
+    sizes_and_strides_.set_strides(y.strides());
+    storage_offset_ = y.storage_offset();
+    refresh_numel();
+    refresh_contiguous();
+  }
 
   struct Empty {};
   NativeImpl(Empty, std::shared_ptr<Engine> eng, c10::DispatchKeySet ks, caffe2::TypeMeta dtype,
@@ -689,11 +729,13 @@ at::Generator generator_of(const c10::FunctionSchema& schema, const torch::jit::
 }
 
 [[noreturn]] void refuse(const c10::OperatorHandle& op, const std::string& why) {
-  throw c10::NotImplementedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                                 "dtr: the native engine does not serve " + op.schema().name() +
-                                     " yet (" + why +
-                                     "); use dtr.enable() (the default engine) for this program");
+  throw Unsupported("dtr: the native engine does not serve " + py_name(op.schema()) + " yet (" +
+                    why + "); use dtr.enable() (the default engine) for this program");
 }
+
+// In-place view ops (x.squeeze_(), x.t_(), ...; dtr/schema.py's _VIEW_INPLACE) and the view
+// op each stands for (squeeze_.dim: squeeze.dim), by py_name; given by dtr.native at install.
+std::unordered_map<std::string, c10::OperatorName> g_view_forms;
 
 // ---------------------------------------------------------------- facts per op
 // What the fallback needs to know of an op on every call, read from its schema once per
@@ -706,6 +748,7 @@ struct OpFacts {
   bool reshapes = false;        // changes its argument's shape or storage in place
   bool meta_only = false;       // reads only its tensors' metadata (empty_like, ...)
   bool bn_hidden_writes = false;
+  std::optional<c10::OperatorHandle> view_form;  // an in-place view op's out-of-place form
 };
 
 OpFacts make_facts(const c10::OperatorHandle& op) {
@@ -733,6 +776,10 @@ OpFacts make_facts(const c10::OperatorHandle& op) {
                name == "aten::resize_as_" || name == "aten::set_";
   f.meta_only = kMetaOnly.count(name) > 0;
   f.bn_hidden_writes = kBatchNorm.count(name) > 0;
+  auto form = g_view_forms.find(py_name(schema));
+  if (form != g_view_forms.end())
+    f.view_form = c10::Dispatcher::singleton().findSchemaOrThrow(
+        form->second.name.c_str(), form->second.overload_name.c_str());
   return f;
 }
 
@@ -820,8 +867,26 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (l.native && is_written(l.arg)) writes_managed = true;
     if (l.tensor.defined() && !l.tensor.is_cpu()) refuse(op, "it manages CPU tensors only");
   }
+  if (writes_managed && facts.view_form && (*stack)[begin].isTensor() &&
+      as_native((*stack)[begin].toTensor())) {
+    // x.squeeze_(), x.t_(), ... (Runtime._run_view_inplace): x becomes a view of what it
+    // was and its data does not change, so this is the view op, recorded like any other,
+    // with x naming its result and taking its geometry
+    at::Tensor self = (*stack)[begin].toTensor();
+    torch::jit::Stack call(stack->begin() + begin, stack->end());
+    serve(*facts.view_form, &call);
+    NativeImpl* view = as_native(call.back().toTensor());
+    if (view == nullptr || view->eng_ != eng)
+      throw std::logic_error("dtr: internal error: " + py_name(schema) + "'s view is not managed");
+    as_native(self)->adopt(*view);
+    stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(begin), stack->end());
+    stack->push_back(self);
+    return;
+  }
   if (writes_managed && facts.reshapes)
-    refuse(op, "it changes a managed tensor's shape or storage in place");
+    throw Unsupported("dtr: " + py_name(schema) +
+                      " replaces the storage of a managed tensor in place, which dtr does not "
+                      "support; use the out-of-place op, or dtr.materialize() the tensor first");
   Core& core = e.core;
   std::vector<int64_t> fresh, locked, held;
   auto finish = [&] {
@@ -1113,43 +1178,101 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
-// The boxed fallback: serve(), with a budget that cannot be met raised to Python as
-// dtr.BudgetError (torch's op bindings pass a pending Python error through as it is; the
-// engine's lock is released by then, so taking the GIL cannot deadlock on it).
+// dtr's error `cls` (a name in dtr.errors) as a pending Python error: torch's op bindings
+// and autograd's engine pass it through as it is. Called where the engine's lock is no
+// longer held, so taking the GIL cannot deadlock on it.
+[[noreturn]] void raise_python(const char* cls, const char* what) {
+  py::gil_scoped_acquire gil;
+  py::object type = py::module_::import("dtr.errors").attr(cls);
+  PyErr_SetString(type.ptr(), what);
+  python_error err;
+  err.persist();
+  throw err;
+}
+
+// The boxed fallback: serve(), its refusals raised as dtr's errors.
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   try {
     serve(op, stack);
   } catch (const BudgetExceeded& b) {
-    py::gil_scoped_acquire gil;
-    py::object cls = py::module_::import("dtr.errors").attr("BudgetError");
-    PyErr_SetString(cls.ptr(), b.what());
-    python_error err;
-    err.persist();
-    throw err;
+    raise_python("BudgetError", b.what());
+  } catch (const Unsupported& u) {
+    raise_python("UnsupportedError", u.what());
   }
+}
+
+// Ops on sparse, sparse CSR, quantized or nested tensors reach these keys while the
+// session's key is included. The default engine leaves such tensors alone, and so does
+// this one: the op runs on plain values; a managed tensor among its arguments is refused
+// (dtr does not manage a sparse tensor's parts).
+void other_layout_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet,
+                           torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  const size_t begin = stack->size() - n;
+  std::shared_ptr<Engine> eng = active();
+  bool managed = false;
+  std::vector<std::pair<size_t, int64_t>> foreign;
+  for_each_tensor(stack, begin, n, [&](size_t i, int64_t j, const at::Tensor& t) {
+    NativeImpl* impl = as_native(t);
+    if (impl == nullptr) return;
+    if (eng && impl->eng_ == eng && eng->open)
+      managed = true;
+    else
+      foreign.emplace_back(i, j);  // after the block, or another session's: plain values
+  });
+  if (managed)
+    raise_python("UnsupportedError",
+                 ("dtr: " + py_name(op.schema()) +
+                  " mixes a managed tensor with a non-strided (sparse or nested) one, which dtr "
+                  "does not support; dtr.materialize() the managed tensor first")
+                     .c_str());
+  for (auto [i, j] : foreign)
+    set_item((*stack)[begin + i], j, plain_view(get_item((*stack)[begin + i], j)));
+  Engine::call_below(op, stack, at::GradMode::is_enabled());
 }
 
 // The registrations live as long as the process (never deregistered at exit, when
 // the dispatcher may already be gone).
 torch::Library* g_fallback_lib = nullptr;
 torch::Library* g_routed_lib = nullptr;
+std::vector<torch::Library*> g_other_libs;
+constexpr c10::DispatchKey kOtherLayoutKeys[] = {
+    c10::DispatchKey::SparsePrivateUse1, c10::DispatchKey::SparseCsrPrivateUse1,
+    c10::DispatchKey::QuantizedPrivateUse1, c10::DispatchKey::NestedTensorPrivateUse1};
 
 }  // namespace
 
 // Registered on first use, not at import: a process may have a real PrivateUse1 backend.
-void install(const std::vector<std::string>& composite_ops) {
+void install(const std::vector<std::string>& routed_ops,
+             const std::vector<std::tuple<std::string, std::string, std::string>>& view_forms) {
   if (g_fallback_lib) return;
+  for (const auto& [inplace, name, overload] : view_forms)
+    g_view_forms.insert_or_assign(inplace, c10::OperatorName(name, overload));
   g_fallback_lib = new torch::Library(
       torch::Library::IMPL, "_", std::optional<c10::DispatchKey>(c10::DispatchKey::PrivateUse1),
       __FILE__, __LINE__);
   g_fallback_lib->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
-  // Ops with a CompositeExplicitAutograd kernel take it at PrivateUse1 before any
-  // fallback: route them here too.
+  for (c10::DispatchKey key : kOtherLayoutKeys) {
+    g_other_libs.push_back(new torch::Library(
+        torch::Library::IMPL, "_", std::optional<c10::DispatchKey>(key), __FILE__, __LINE__));
+    g_other_libs.back()->fallback(
+        torch::CppFunction::makeFromBoxedFunction<&other_layout_fallback>());
+  }
+  // Ops whose composite kernel would take PrivateUse1 before any fallback: routed here.
   g_routed_lib = new torch::Library(torch::Library::IMPL, "aten",
                                     std::optional<c10::DispatchKey>(c10::DispatchKey::PrivateUse1),
                                     __FILE__, __LINE__);
-  for (const auto& name : composite_ops)
+  for (const auto& name : routed_ops)
     g_routed_lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  // and at the other layouts' keys (a sparse tensor's is_coalesced would get the composite
+  // kernel, which refuses every layout, rather than the sparse one below)
+  for (c10::DispatchKey key : kOtherLayoutKeys) {
+    g_other_libs.push_back(new torch::Library(
+        torch::Library::IMPL, "aten", std::optional<c10::DispatchKey>(key), __FILE__, __LINE__));
+    for (const auto& name : routed_ops)
+      g_other_libs.back()->impl(
+          name.c_str(), torch::CppFunction::makeFromBoxedFunction<&other_layout_fallback>());
+  }
 }
 
 void bind(py::module_& m) {
@@ -1265,8 +1388,19 @@ void bind(py::module_& m) {
         std::lock_guard<std::recursive_mutex> g(e.mu);
         e.core.check();
       });
-  m.def("native_install", &install, py::arg("composite_ops"));
+  m.def("native_install", &install, py::arg("routed_ops"), py::arg("view_forms"));
   m.def("is_native", [](const at::Tensor& t) { return as_native(t) != nullptr; });
+  // dtr.materialize() of a native tensor: its value as a plain tensor (pinned while its
+  // session is open, as Engine.export), whichever session it belongs to
+  m.def(
+      "native_materialize",
+      [](const at::Tensor& t) {
+        NativeImpl* impl = as_native(t);
+        if (impl == nullptr) return t;
+        py::gil_scoped_release nogil;
+        return impl->eng_ ? export_value(*impl->eng_, t) : plain_view(t);
+      },
+      py::arg("tensor"));
 }
 
 }  // namespace native

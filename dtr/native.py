@@ -7,9 +7,12 @@ route").
     print(session.stats())
 
 What it serves and what it refuses is in csrc/native.cpp's header: it serves ops that
-write nothing, views, plain ops, in-place writes (new versions, as the default engine's)
-and random ops (replayed from their generator's state); it refuses, naming the op,
-in-place ops that change a managed tensor's shape or storage, and tensors off the CPU.
+write nothing, views, plain ops, in-place writes (new versions, as the default engine's),
+in-place view ops and random ops (replayed from their generator's state); it refuses
+with dtr.UnsupportedError, naming the op, in-place ops that replace a managed tensor's
+storage (resize_, set_), managed tensors mixed with sparse ones, and tensors off the CPU.
+PyTorch's OpInfo database runs under it in stress mode bit for bit as eager
+(tests/test_opinfo.py, test_native_*).
 Gradients accumulated into a leaf's .grad are handed out plain. An infeasible budget
 raises dtr.BudgetError. Traces (trace=, DTR_TRACE) are the default engine's format, for
 dtr.sim; timelines and OOM retry are the default engine's only (dtr.enable).
@@ -31,6 +34,7 @@ import shutil
 import torch
 
 from . import config as _config
+from . import schema as _schema
 from .errors import ConfigError, DTRError
 from .stats import Stats
 
@@ -41,8 +45,8 @@ OPTIONS = ("seed", "stress", "check", "cost_model", "trace")
 
 
 def _install() -> None:
-    """Register the fallback for PrivateUse1, and for every op whose
-    CompositeExplicitAutograd kernel would take that key first."""
+    """Register the fallback for PrivateUse1, and for every op whose composite kernel would
+    take that key first."""
     global _installed
     if _installed:
         return
@@ -54,13 +58,34 @@ def _install() -> None:
         )
     from . import _C
 
-    ops = set()
-    for key in ("CompositeExplicitAutogradNonFunctional", "CompositeExplicitAutograd"):
-        for op in torch._C._dispatch_get_registrations_for_dispatch_key(key):
-            if op.startswith("aten::"):
-                ops.add(op[len("aten::") :])
-    _C.native_install(sorted(ops))
+    _C.native_install(_routed_ops(), _view_forms())
     _installed = True
+
+
+def _routed_ops() -> list[str]:
+    """Ops that must reach the fallback as they are: those with a CompositeExplicitAutograd
+    kernel (it takes PrivateUse1 before any fallback), and those with both a CPU kernel and
+    a CompositeImplicitAutograd one, which a backend without a kernel of its own gets: the
+    decomposition (silu_backward, mish_backward as elementwise ops) differs from the CPU
+    kernel in the last bits."""
+    registered = torch._C._dispatch_get_registrations_for_dispatch_key
+    ops = set(registered("CompositeExplicitAutogradNonFunctional"))
+    ops |= set(registered("CompositeExplicitAutograd"))
+    ops |= set(registered("CompositeImplicitAutograd")) & set(registered("CPU"))
+    return sorted(op[len("aten::") :] for op in ops if op.startswith("aten::"))
+
+
+def _view_forms() -> list[tuple[str, str, str]]:
+    """(in-place view op, its view op's name and overload) for every overload of the
+    in-place view ops (x.squeeze_(): squeeze), as dtr.enable() runs them."""
+    forms = []
+    for qualified in _schema.VIEW_INPLACE:
+        packet = getattr(torch.ops.aten, qualified.split("::")[1])
+        for overload in packet.overloads():
+            inplace = getattr(packet, overload)
+            view = _schema.out_of_place(inplace)._schema
+            forms.append((str(inplace), view.name, view.overload_name))
+    return forms
 
 
 class NativeSession:

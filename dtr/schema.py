@@ -107,7 +107,7 @@ _META_ONLY = {
 _METADATA_INPLACE = {"aten::set_", "aten::resize_", "aten::resize_as_", "aten::resize_as_sparse_"}
 
 # In-place ops that change only their argument's sizes and strides, never its data.
-_VIEW_INPLACE = {
+VIEW_INPLACE = {
     "aten::as_strided_",
     "aten::t_",
     "aten::transpose_",
@@ -119,7 +119,7 @@ _VIEW_INPLACE = {
 }
 
 
-def _out_of_place(func):
+def out_of_place(func):
     """The view op an in-place view op stands for: squeeze_.dim -> squeeze.dim."""
     schema = func._schema
     packet = getattr(torch.ops.aten, schema.name.split("::")[1][:-1])
@@ -175,7 +175,7 @@ def _compute(func) -> OpFacts:
         seeded=torch.Tag.nondeterministic_seeded in tags,
         generator=generator,
         metadata_inplace=schema.name in _METADATA_INPLACE,
-        view_inplace=_out_of_place(func) if schema.name in _VIEW_INPLACE else None,
+        view_inplace=out_of_place(func) if schema.name in VIEW_INPLACE else None,
         fresh_returns=fresh,
         nreturns=len(schema.returns),
         view=bool(schema.returns)

@@ -268,4 +268,10 @@ def materialize(t: torch.Tensor) -> torch.Tensor:
 
     if isinstance(t, CheckpointTensor):
         return materialize_ref(t._dtr_ref, export=True)
+    if isinstance(t, torch.Tensor) and torch._C._dispatch_keys(t).has(
+        torch._C.DispatchKey.PrivateUse1
+    ):  # the native engine's (dtr.native), if it is one
+        from . import _C
+
+        return _C.native_materialize(t)
     return t

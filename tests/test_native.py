@@ -154,8 +154,74 @@ def test_what_it_does_not_serve_is_refused_by_name():
     model, x, _ = _model("mlp")
     with native.enable():
         h = model(x).detach() * 1
-        with pytest.raises(NotImplementedError, match="aten::t_ yet .*shape or storage"):
-            h.t_()
+        with pytest.raises(dtr.UnsupportedError, match="aten.resize_.default replaces the"):
+            h.resize_(3)
+        sparse = torch.eye(4).to_sparse()
+        with pytest.raises(dtr.UnsupportedError, match="mixes a managed tensor with a non-str"):
+            torch.sparse.mm(sparse, h[:4, :4])
+        # sparse tensors alone are left plain, as by dtr.enable()
+        assert torch.equal(torch.sparse.mm(sparse, torch.ones(4, 2)), torch.ones(4, 2))
+
+
+def _in_place_views(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x @ w + 0.5  # 8 x 6 (add saves nothing: h may change in place)
+    saved = h.detach()  # an alias taken before: keeps its geometry
+    h.t_()  # 6 x 8
+    h.unsqueeze_(0)  # 1 x 6 x 8
+    h.transpose_(1, 2)  # 1 x 8 x 6
+    h.squeeze_(0)
+    h.as_strided_((4, 6), (6, 1), 6)
+    return (h * saved[2:6]).sum() + saved.sum()
+
+
+@pytest.mark.parametrize("stress", [False, True])
+def test_in_place_view_ops_are_the_view_ops(stress):
+    """x.t_(), x.squeeze_() and kin change x's geometry, not its data: served as the view
+    op, with x naming the result; gradients through them as eager's, and an alias taken
+    before keeps its own geometry."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 5, requires_grad=True)
+    w = torch.randn(5, 6, requires_grad=True)
+    expect = _in_place_views(x, w)
+    expect.backward()
+    eager_grads = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    with native.enable(stress=stress, check=True) as session:
+        got = _in_place_views(x, w)
+        got.backward()
+    assert torch.equal(got, expect)
+    assert torch.equal(x.grad, eager_grads[0]) and torch.equal(w.grad, eager_grads[1])
+    assert not stress or session.stats().remats > 0
+
+
+def test_conjugate_and_negative_views_keep_their_bit():
+    """A lazy conjugate (ifft's result, conj()) read through a managed tensor is the
+    conjugate: the engine's tensors carry the value's Conjugate and Negative keys."""
+    x = torch.randn(4, dtype=torch.float64)  # ihfft: 3 values
+    z = torch.randn(3, dtype=torch.complex128)
+
+    def run(x, z):
+        a = torch.fft.ihfft(x * 1)
+        b = (z * 1).conj()
+        c = torch.neg((z * 1).conj()).conj()  # a negative view somewhere in between
+        return a, b, c, a * b + c
+
+    expect = run(x, z)
+    with native.enable(stress=True):
+        got = run(x, z)
+        assert got[0].is_conj() and got[1].is_conj()
+    for e, g in zip(expect, got):
+        assert torch.equal(dtr.materialize(g).resolve_conj(), e.resolve_conj())
+
+
+def test_materialize_hands_out_a_plain_tensor():
+    with native.enable(stress=True) as session:
+        h = torch.arange(6.0, requires_grad=True) * 2  # managed, evicted at once (stress)
+        assert native.is_managed(h)
+        plain = dtr.materialize(h)
+        assert not native.is_managed(plain) and torch.equal(plain, torch.arange(6.0) * 2)
+        assert session.stats().pinned_bytes >= h.numel() * 4  # the program may write it now
+    assert not native.is_managed(dtr.materialize(h))
 
 
 def test_does_not_nest_with_the_default_engine():

@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import dtr
+import dtr.native
 import dtr.runtime
 from dtr.recipe import Recipe
 
@@ -57,6 +58,14 @@ CATEGORIES = ("unsupported", "tolerance", "nondeterministic", "uninitialized", "
 FULL = os.environ.get("DTR_OPINFO_FULL", "") == "1"
 DEFAULT_SAMPLES = int(os.environ.get("DTR_OPINFO_SAMPLES", "8"))
 REMAT_BUDGET = 5000
+try:
+    import dtr._C  # noqa: F401
+
+    HAVE_NATIVE = True
+except ImportError:  # the pure-Python build: no native engine
+    HAVE_NATIVE = False
+# the engines a variant runs under: dtr.enable(), and the native engine (dtr.native.enable)
+ENGINES = ("dtr", "native") if HAVE_NATIVE else ("dtr",)
 
 
 def op_key(op) -> str:
@@ -75,6 +84,7 @@ class Expected:
     category: str
     reason: str
     line: int
+    engine: str | None = None  # None: both engines
 
     @property
     def message(self) -> str:
@@ -85,9 +95,10 @@ class Expected:
         return self.reason[start + 1 : end] if 0 <= start < end else ""
 
 
-def parse_expected(path: str = EXPECTED_FILE) -> dict[tuple[str, str], Expected]:
-    """Lines ``<op variant> <dtypes|*> <category> <reason>``; '#' starts a comment."""
-    entries: dict[tuple[str, str], Expected] = {}
+def parse_expected(path: str = EXPECTED_FILE) -> dict[tuple[str, str, str | None], Expected]:
+    """Lines ``<op variant>[@engine] <dtypes|*> <category> <reason>``; '#' starts a
+    comment. Keyed by (variant, dtype, engine), engine None for an entry without one."""
+    entries: dict[tuple[str, str, str | None], Expected] = {}
     with open(path) as f:
         for n, raw in enumerate(f, 1):
             line = raw.split(" #", 1)[0].strip() if not raw.startswith("#") else ""
@@ -98,22 +109,33 @@ def parse_expected(path: str = EXPECTED_FILE) -> dict[tuple[str, str], Expected]
             if len(parts) < 4:
                 raise ValueError(f"{where}: want '<op> <dtypes|*> <category> <reason>'")
             key, dtypes, category, reason = parts
+            key, _, engine = key.partition("@")
+            if engine and engine not in ("dtr", "native"):
+                raise ValueError(f"{where}: unknown engine {engine!r} (dtr or native)")
             names = tuple(dtype_name(d) for d in DTYPES) if dtypes == "*" else dtypes.split(",")
             if category not in CATEGORIES or not set(names) <= {dtype_name(d) for d in DTYPES}:
                 raise ValueError(f"{where}: unknown category or dtype in {line!r}")
-            entry = Expected(key, names, category, reason, n)
+            entry = Expected(key, names, category, reason, n, engine or None)
             if category == "unsupported" and not entry.message.startswith("dtr:"):
                 raise ValueError(f'{where}: quote the "dtr: ..." message the user gets')
             if category == "limitation" and not entry.message:
                 raise ValueError(f'{where}: quote the "..." error the user gets')
+            # an entry for both engines clashes with any other; one for an engine, with
+            # one for both or for the same engine
+            clashes = (None, engine) if engine else (None, "dtr", "native")
             for name in names:
-                if (key, name) in entries:
+                if any((key, name, e) in entries for e in clashes):
                     raise ValueError(f"{where}: {key} {name} listed twice")
-                entries[(key, name)] = entry
+                entries[(key, name, engine or None)] = entry
     return entries
 
 
 EXPECTED = parse_expected()
+
+
+def expected_entry(key: str, dtype: str, engine: str) -> Expected | None:
+    """The entry for a variant under an engine: its own, else one for both."""
+    return EXPECTED.get((key, dtype, engine)) or EXPECTED.get((key, dtype, None))
 
 
 # ====================================================================== running a sample
@@ -193,13 +215,18 @@ class Result:
 
 def run_sample(op, sample, backward: bool, under: str = "eager") -> Result:
     """Run op on a copy of the sample and return its outputs and gradients as plain
-    tensors. under: "eager"; "dtr" (stress mode, every invariant checked after every
-    op); or "noop", eagerly under a dispatch mode that does nothing, which is what some
-    backward formulas switch on (see the `tolerance` category)."""
+    tensors. under: "eager"; "dtr" or "native" (that engine in stress mode, every
+    invariant checked after every op); or "noop", eagerly under a dispatch mode that does
+    nothing, which is what some backward formulas switch on (see the `tolerance`
+    category)."""
     inp, args, kwargs = _copy_sample(sample)
     leaves = [t for t in tree_flatten((inp, args, kwargs))[0] if _requires_grad(t)]
     torch.manual_seed(1234)
-    session = dtr.enable(stress=True, check=True) if under == "dtr" else None
+    session = None
+    if under == "dtr":
+        session = dtr.enable(stress=True, check=True)
+    elif under == "native":
+        session = dtr.native.enable(stress=True, check=True)
     context = session or (_NoOpMode() if under == "noop" else contextlib.nullcontext())
     with context:
         minp, margs, mkwargs = _as_op_outputs((inp, args, kwargs))
@@ -211,17 +238,27 @@ def run_sample(op, sample, backward: bool, under: str = "eager") -> Result:
         result.grads = [None if g is None else _plain(g) for g in grads]
     if session is not None:
         result.remats = session.stats().remats
-        result.managed = sum(
-            isinstance(x, dtr.CheckpointTensor) and x.numel() > 0 for x in flat + list(grads or ())
-        )
+        result.managed = sum(_is_managed(x) and x.numel() > 0 for x in flat + list(grads or ()))
         result.unmanaged_inputs = len(_plain_strided(tree_flatten((minp, margs, mkwargs))[0]))
     return result
 
 
 def _plain_strided(xs: list) -> list:
     return [
-        x for x in xs if type(x) is torch.Tensor and x.layout == torch.strided and not x.is_meta
+        x
+        for x in xs
+        if type(x) is torch.Tensor
+        and x.layout == torch.strided
+        and not x.is_meta
+        and not _is_managed(x)
     ]
+
+
+def _is_managed(x) -> bool:
+    """A tensor of either engine (dtr.enable's wrapper, or the native engine's)."""
+    if isinstance(x, dtr.CheckpointTensor):
+        return True
+    return isinstance(x, torch.Tensor) and HAVE_NATIVE and dtr.native.is_managed(x)
 
 
 class _NoOpMode(TorchDispatchMode):
@@ -256,6 +293,8 @@ def _plain(x):
     value = dtr.materialize(x)
     if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
         raise AssertionError(f"got a {type(value).__name__} after the block, not a plain tensor")
+    if _is_managed(value):
+        raise AssertionError("dtr.materialize() handed out a managed tensor after the block")
     return value.detach()
 
 
@@ -355,10 +394,15 @@ class Outcome:
 
 
 def run_variant(
-    op, dtype: torch.dtype, category: str | None, inplace: bool = False, full: bool = FULL
+    op,
+    dtype: torch.dtype,
+    category: str | None,
+    inplace: bool = False,
+    full: bool = FULL,
+    engine: str = "dtr",
 ) -> Outcome:
-    """The variant's samples (of its in-place form if inplace) eagerly and under dtr,
-    compared as the category of its entry in the expected file says (bitwise when it has
+    """The variant's samples (of its in-place form if inplace) eagerly and under the
+    engine, compared as the category of its entry in the expected file says (bitwise when it has
     none). Unless full: the first DEFAULT_SAMPLES samples, fewer once REMAT_BUDGET
     recomputations were made (stress mode recomputes quadratically on long iterative ops
     such as svd_lowrank), more for a listed variant until it shows what its entry claims."""
@@ -376,7 +420,7 @@ def run_variant(
                 break
             if inplace and sample.broadcasts_input:
                 continue  # an in-place op cannot broadcast its first argument
-            _run_one(fn, sample, backward, category, tol, outcome, i)
+            _run_one(fn, sample, backward, category, tol, outcome, i, engine)
             counted += _holds_data(sample)
             if not full and outcome.remats >= REMAT_BUDGET and not _unproven(outcome, category):
                 break
@@ -408,13 +452,15 @@ def _eager(op, sample, backward: bool):
         return None, False
 
 
-def _run_one(op, sample, backward, category, tol, outcome: Outcome, index: int) -> None:
+def _run_one(
+    op, sample, backward, category, tol, outcome: Outcome, index: int, engine: str
+) -> None:
     eager, backward = _eager(op, sample, backward)
     if eager is None:
         outcome.skipped += 1
         return
     try:
-        got = run_sample(op, sample, backward, "dtr")
+        got = run_sample(op, sample, backward, engine)
     except Exception as e:
         outcome.errors.append((index, e))
         return
@@ -505,14 +551,17 @@ def _params(inplace: bool):
     ]
 
 
-def check_variant(op, dtype: torch.dtype, inplace: bool) -> tuple[Outcome, list[str]]:
-    entry = EXPECTED.get((variant_key(op, inplace), dtype_name(dtype)))
-    outcome = run_variant(op, dtype, entry.category if entry else None, inplace)
+def check_variant(
+    op, dtype: torch.dtype, inplace: bool, engine: str = "dtr"
+) -> tuple[Outcome, list[str]]:
+    entry = expected_entry(variant_key(op, inplace), dtype_name(dtype), engine)
+    category = entry.category if entry else None
+    outcome = run_variant(op, dtype, category, inplace, engine=engine)
     return outcome, verdict(outcome, entry)
 
 
-def _check(op, dtype, inplace: bool) -> None:
-    outcome, problems = check_variant(op, dtype, inplace)
+def _check(op, dtype, inplace: bool, engine: str = "dtr") -> None:
+    outcome, problems = check_variant(op, dtype, inplace, engine)
     if not outcome.samples and outcome.error is None:
         pytest.skip(f"all {outcome.skipped} samples raise in eager PyTorch on CPU too")
     assert not problems, "\n".join(problems)
@@ -530,6 +579,22 @@ def test_inplace(op, dtype):
     _check(op, dtype, inplace=True)
 
 
+_needs_native = pytest.mark.skipif(not HAVE_NATIVE, reason="the native engine is C++")
+
+
+@_needs_native
+@pytest.mark.parametrize(("op", "dtype"), _params(inplace=False))
+def test_native_op(op, dtype):
+    """The same, under the native engine (dtr.native.enable, stress and check modes)."""
+    _check(op, dtype, inplace=False, engine="native")
+
+
+@_needs_native
+@pytest.mark.parametrize(("op", "dtype"), _params(inplace=True))
+def test_native_inplace(op, dtype):
+    _check(op, dtype, inplace=True, engine="native")
+
+
 def test_expected_file_names_only_known_variants():
     known = {
         (variant_key(op, inplace), dtype_name(dtype))
@@ -537,7 +602,7 @@ def test_expected_file_names_only_known_variants():
         for op, dtype in variants(inplace)
     }
     unknown = sorted(
-        f"{k} {d} (line {e.line})" for (k, d), e in EXPECTED.items() if (k, d) not in known
+        f"{k} {d} (line {e.line})" for (k, d, _), e in EXPECTED.items() if (k, d) not in known
     )
     assert not unknown, f"{EXPECTED_FILE} lists variants op_db does not have: {unknown}"
 
@@ -577,16 +642,17 @@ def test_listed_variants_are_held_to_their_entry():
 PASSING = ("bitwise", "tolerance", "nondeterministic", "uninitialized")
 
 
-def report(names: list[str]) -> int:
-    """Run the sweep (or the named ops) outside pytest; print each failure, then per
-    dtype how many variants end in each state and the pass rate. Returns 1 on failures."""
+def report(names: list[str], engine: str = "dtr") -> int:
+    """Run the sweep (or the named ops) under the engine, outside pytest; print each
+    failure, then per dtype how many variants end in each state and the pass rate.
+    Returns 1 on failures."""
     start = time.perf_counter()
     remats = samples = failed = 0
     for inplace in (False, True):
         tally = {d: collections.Counter() for d in DTYPES}
         for op, dtype in variants(inplace):
             if not names or op.name in names or op_key(op) in names:
-                state, outcome = _report_variant(op, dtype, inplace)
+                state, outcome = _report_variant(op, dtype, inplace, engine)
                 tally[dtype][state] += 1
                 remats += outcome.remats
                 samples += outcome.samples
@@ -600,12 +666,12 @@ def report(names: list[str]) -> int:
     return int(failed > 0)
 
 
-def _report_variant(op, dtype, inplace: bool) -> tuple[str, Outcome]:
+def _report_variant(op, dtype, inplace: bool, engine: str) -> tuple[str, Outcome]:
     key = variant_key(op, inplace)
-    entry = EXPECTED.get((key, dtype_name(dtype)))
+    entry = expected_entry(key, dtype_name(dtype), engine)
     outcome = Outcome()
     try:
-        outcome, problems = check_variant(op, dtype, inplace)
+        outcome, problems = check_variant(op, dtype, inplace, engine)
     except Exception:
         problems = ["harness error: " + traceback.format_exc(limit=-3)]
     if not outcome.samples and outcome.error is None and not problems:
@@ -623,4 +689,8 @@ def _rate(counts: collections.Counter) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(report(sys.argv[1:]))
+    args = sys.argv[1:]
+    engine = "dtr"
+    if args[:1] == ["--native"]:
+        engine, args = "native", args[1:]
+    sys.exit(report(args, engine))
