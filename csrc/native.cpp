@@ -37,6 +37,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -265,6 +266,11 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // values handed out plain: their storage, per tid (a write to it invalidates readers)
   std::unordered_map<const c10::StorageImpl*, int64_t> escaped;
   std::vector<const c10::StorageImpl*> escaped_storage;
+  // Every storage handed out plain, while it lives (weak: the pointer is not reused while
+  // held). Its tensor's pin ends when that tensor is dropped, and its pool can then be
+  // evicted for the other members' sake; the memory is the program's from then on.
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> handed_out;
+  size_t prune_handed_out_at = 64;
   std::unordered_map<std::vector<int64_t>, int64_t, SizeKeyHash> out_sizes;  // reserve
   // An op's cost: its measured wall time, or the roofline estimate (csrc/roofline.h),
   // with which the same program under the same budget evicts the same tensors each run.
@@ -273,6 +279,8 @@ struct Engine : std::enable_shared_from_this<Engine> {
   bool stress = false;           // evict everything evictable after every op (testing mode)
   std::unique_ptr<Trace> trace;  // the operator trace being written, if any
   bool check = false;            // verify the core's invariants after every op (tests)
+  // (peak resident, peak transient) when the block ended, before close() materialized
+  std::optional<std::pair<int64_t, int64_t>> closing_peaks;
 
   ~Engine() {
     if (!leaf_hook) return;
@@ -341,6 +349,19 @@ struct Engine : std::enable_shared_from_this<Engine> {
     if (t >= static_cast<int64_t>(values.size()) || !values[t].defined()) return;
     c10::StorageImpl* s = values[t].storage().unsafeGetStorageImpl();
     if (s->_mutable_data_ptr_no_checks().get() == nullptr) return;  // a view of it went first
+    auto out = handed_out.find(s);
+    if (out != handed_out.end() && !out->second.expired()) {
+      // The program holds this memory as a plain tensor (a gradient that is a view of a
+      // larger buffer, exported and then dropped while the buffer's other views live on
+      // as lineage): it stays the program's. The pool's members move to a storage of
+      // their own, empty until recomputed, as an old version's do.
+      c10::Storage fresh = empty_storage(s->nbytes(), values[t].device());
+      for (int64_t m : core.members(t))
+        if (m < static_cast<int64_t>(values.size()) && values[m].defined() &&
+            values[m].storage().unsafeGetStorageImpl() == s)
+          values[m] = over(values[m], fresh);
+      return;
+    }
     at::DataPtr old =
         s->set_data_ptr(at::DataPtr(nullptr, s->_mutable_data_ptr_no_checks().device()));
     s->release_data_and_set_meta_custom_data_ptr_error_msg_(std::string(kEvictedMsg));
@@ -382,6 +403,9 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // Python's hook, so that a gradient accumulated into its .grad is handed out plain.
   void hook_leaf(const at::Tensor& t) {
     if (!leaf_hook) return;
+    // (a non-leaf that is no view, a plain tensor an op on a managed one wrote into,
+    // has no leaf of its own: _base() would throw)
+    if (!t.is_leaf() && !t.is_view()) return;
     const at::TensorBase& leaf = t.is_leaf() ? t : t._base();
     if (!leaf.defined() || !leaf.is_leaf() || !leaf.requires_grad()) return;
     const c10::TensorImpl* impl = leaf.unsafeGetTensorImpl();
@@ -409,7 +433,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
           values[t].defined()) {
         std::string shape;
         for (int64_t d : values[t].sizes()) shape += (shape.empty() ? "" : "x") + std::to_string(d);
-        name = recipes[output_of[t].first].op->schema().name() + "[" + shape + "]";
+        name = py_name(recipes[output_of[t].first].op->schema()) + "[" + shape + "]";
       }
       largest += name + " " + format_bytes(nbytes);
     }
@@ -432,7 +456,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
             const Recipe* rec =
                 rid < static_cast<int64_t>(recipes.size()) ? &recipes[rid] : nullptr;
             throw BudgetExceeded(budget_message(
-                need, "recomputing " + (rec && rec->op ? rec->op->schema().name() : "a tensor")));
+                need, "recomputing " + (rec && rec->op ? py_name(rec->op->schema()) : "a tensor")));
           },
           [&] { drain(); });
     } catch (...) {
@@ -505,7 +529,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
       c10::StorageImpl* src = fresh.storage().unsafeGetStorageImpl();
       if (dst == src || dst->_mutable_data_ptr_no_checks().get() != nullptr) continue;
       if (src->nbytes() != dst->nbytes())
-        throw std::runtime_error("dtr: recomputing " + rec.op->schema().name() +
+        throw std::runtime_error("dtr: recomputing " + py_name(rec.op->schema()) +
                                  " made a storage of " + std::to_string(src->nbytes()) +
                                  " bytes where the first run made " +
                                  std::to_string(dst->nbytes()));
@@ -540,6 +564,9 @@ struct Engine : std::enable_shared_from_this<Engine> {
     try {
       flush();
       if (trace) trace->close();  // END: what is still held is materialized (as below)
+      // The session's peaks are those of the block: what is materialized below, with the
+      // budget lifted, is the program's after it (Runtime.closing_peaks).
+      closing_peaks = {core.peak_bytes, core.max_bytes};
       // Everything still held is materialized (read after the block); then no lineage.
       core.budget = -1;
       for (int64_t t : core.alive())
@@ -561,6 +588,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
     const_storage.clear();
     escaped.clear();
     escaped_storage.clear();
+    handed_out.clear();
     hooked.clear();
     {
       std::lock_guard<std::mutex> p(pending_mu);
@@ -679,6 +707,13 @@ at::Tensor export_value(Engine& e, const at::Tensor& t) {
   e.core.pin(tid);
   const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   e.escaped[s] = tid;
+  if (e.handed_out.size() >= 2 * e.prune_handed_out_at) {  // gradients: some per step
+    for (auto h = e.handed_out.begin(); h != e.handed_out.end();)
+      h = h->second.expired() ? e.handed_out.erase(h) : std::next(h);
+    e.prune_handed_out_at = std::max<size_t>(64, e.handed_out.size());
+  }
+  e.handed_out.insert_or_assign(
+      s, c10::weak_intrusive_ptr<c10::StorageImpl>(t.storage().getWeakStorageImpl()));
   if (static_cast<int64_t>(e.escaped_storage.size()) <= tid) e.escaped_storage.resize(tid + 1);
   e.escaped_storage[tid] = s;
   e.drain();
@@ -749,6 +784,7 @@ struct OpFacts {
   bool meta_only = false;       // reads only its tensors' metadata (empty_like, ...)
   bool bn_hidden_writes = false;
   std::optional<c10::OperatorHandle> view_form;  // an in-place view op's out-of-place form
+  std::vector<size_t> plain_returns;             // returns left plain (dtr/schema.py)
 };
 
 OpFacts make_facts(const c10::OperatorHandle& op) {
@@ -776,6 +812,10 @@ OpFacts make_facts(const c10::OperatorHandle& op) {
                name == "aten::resize_as_" || name == "aten::set_";
   f.meta_only = kMetaOnly.count(name) > 0;
   f.bn_hidden_writes = kBatchNorm.count(name) > 0;
+  // A packed sequence's batch_sizes stays plain: lstm.data and kin read it through
+  // data_ptr() in C++ before any dispatch, where an evicted value cannot be rebuilt
+  // (dtr/schema.py's _PLAIN_RETURNS; it depends only on the plain lengths)
+  if (name == "aten::_pack_padded_sequence") f.plain_returns = {1};
   auto form = g_view_forms.find(py_name(schema));
   if (form != g_view_forms.end())
     f.view_form = c10::Dispatcher::singleton().findSchemaOrThrow(
@@ -1032,6 +1072,9 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       fresh_storage.push_back(nullptr);
     }
     for (size_t i = 0; i < nret; ++i) {
+      if (std::find(facts.plain_returns.begin(), facts.plain_returns.end(), i) !=
+          facts.plain_returns.end())
+        continue;
       auto take = [&](int64_t j, const at::Tensor& t) {
         if (!t.defined() || t.layout() != c10::kStrided) return;
         for (size_t k = 0; k < leaves.size(); ++k)
@@ -1165,7 +1208,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     bool ok = core.make_room(0);
     for (int64_t t : protect) core.unlock(t);
     e.drain();
-    if (!ok) throw BudgetExceeded(e.budget_message(0, "running " + schema.name()));
+    if (!ok) throw BudgetExceeded(e.budget_message(0, "running " + py_name(schema)));
     if (e.stress) {  // every later read recomputes (Runtime._settle)
       core.evict_all();
       e.drain();
@@ -1371,8 +1414,10 @@ void bind(py::module_& m) {
              d["eager_evictions"] = e.core.eager_evictions;
              d["remats"] = e.core.remats;
              d["recompute_seconds"] = e.recompute_seconds;
-             d["peak_resident_bytes"] = e.core.peak_bytes;
-             d["max_transient_bytes"] = e.core.max_bytes;
+             auto [peak, transient] =
+                 e.closing_peaks.value_or(std::make_pair(e.core.peak_bytes, e.core.max_bytes));
+             d["peak_resident_bytes"] = peak;
+             d["max_transient_bytes"] = transient;
              d["resident_bytes"] = e.core.resident_bytes;
              d["pinned_bytes"] = e.core.pinned_bytes();
              d["constant_bytes"] = e.core.constant_bytes();

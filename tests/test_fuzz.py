@@ -15,7 +15,8 @@ values reused after that backward, and a second backward.
 
 Each program runs eagerly, under dtr with no budget (which gives the peak P), and under
 dtr with a random budget (a fraction of P, down to infeasible ones), heuristic, core
-(C++ or the Python twin, through DTR_FORCE_PYTHON), stress mode and invariant checking.
+(C++ or the Python twin, through DTR_FORCE_PYTHON, or the native engine,
+dtr.native.enable), stress mode and invariant checking.
 Every value the program holds, every loss, the gradients after each backward, the leaves
 and the RNG stream afterwards must be bitwise equal to eager. A budget dtr cannot meet
 may raise ``dtr.BudgetError`` and nothing else; the values held at that point must then
@@ -51,7 +52,12 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, reject, seed, settings
 
 import dtr
-from tests.conftest import CORES
+import dtr.native
+from tests.conftest import CORES, HAVE_CPP
+
+# Where a program runs under dtr: dtr.enable() on either core, or the native engine
+# (dtr.native.enable, C++ only).
+ENGINES = (*CORES, "native") if HAVE_CPP else CORES
 
 CI_EXAMPLES = 800
 EXAMPLES = int(os.environ.get("DTR_FUZZ_EXAMPLES", CI_EXAMPLES))
@@ -633,11 +639,15 @@ def run_eager(program: Program, upto: int | None = None) -> Interp:
 
 
 def run_dtr(program: Program, core: str, **kwargs) -> tuple[Interp, dtr.Stats]:
-    """The program under dtr. Raises BudgetError (with .interp and .stats attached) when
-    the budget cannot be met."""
+    """The program under dtr (core: "c++" or "python" for dtr.enable's core, "native" for
+    the native engine). Raises BudgetError (with .interp and .stats attached) when the
+    budget cannot be met."""
     it = Interp(program)
-    with core_env(core):
-        session = dtr.enable(cost_model="roofline", **kwargs)
+    if core == "native":
+        session = dtr.native.enable(cost_model="roofline", **kwargs)
+    else:
+        with core_env(core):
+            session = dtr.enable(cost_model="roofline", **kwargs)
     try:
         with session:
             it.run(make_leaves(program))
@@ -649,7 +659,7 @@ def run_dtr(program: Program, core: str, **kwargs) -> tuple[Interp, dtr.Stats]:
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
-    return dtr.materialize(t) if isinstance(t, dtr.CheckpointTensor) else t
+    return dtr.materialize(t)  # a plain tensor is returned as it is
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -746,7 +756,7 @@ settings_strategy = st.fixed_dictionaries(
         # with evictions, a third mostly infeasible (RNG states and constants dominate).
         "fraction": st.one_of(st.none(), st.floats(0.5, 1.0), st.floats(0.01, 0.5)),
         "heuristic": st.sampled_from(dtr.HEURISTICS),
-        "core": st.sampled_from(CORES),
+        "core": st.sampled_from(ENGINES),
         "stress": st.booleans(),
         "check": st.booleans(),
     }
@@ -790,7 +800,7 @@ def test_random_programs_match_eager():
     assert totals["remats"] > 0 and totals["evictions"] > 0, totals
 
 
-@pytest.mark.parametrize("core", CORES)
+@pytest.mark.parametrize("core", ENGINES)
 def test_interpreter_is_deterministic_and_runs_every_kind(core):
     # A program with every step kind, run twice eagerly and under dtr in stress mode: the
     # interpreter itself must be deterministic, or the fuzz would compare noise.

@@ -11,7 +11,8 @@ GroupNorm and LayerNorm, gradient accumulation over micro-batches,
 ``torch.autocast`` model with AdamW. Every loop evaluates under ``model.eval()`` and
 ``torch.no_grad()`` inside the block (the conv net then trains one more step).
 
-The runs are those of ``tests/test_models.py``: eagerly, under dtr with no budget (which
+The runs are those of ``tests/test_models.py``, under both engines (``dtr.enable`` and
+the native engine, ``dtr.native.enable``): eagerly, under dtr with no budget (which
 reports the peak P), at 50% and 30% of P (both must evict and recompute) and in stress
 mode (on a smaller version: its cost grows with the square of the depth). Losses,
 gradients after every step, evaluation outputs, parameters and buffers (the running
@@ -40,6 +41,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import dtr
+import dtr.native
 import dtr.recipe
 import dtr.reserve
 import dtr.runtime
@@ -81,15 +83,19 @@ class Case:
         return ["unbudgeted", *self.ratios] + (["stress"] if self.stress else [])
 
 
-def trajectory(case: Case, dtr_kwargs: dict | None = None, small: bool = False) -> Run:
+def trajectory(
+    case: Case, dtr_kwargs: dict | None = None, small: bool = False, engine: str = "dtr"
+) -> Run:
     """Build the model outside the block, run case.train eagerly (dtr_kwargs None) or
-    inside dtr.enable(**dtr_kwargs), and collect what the loop recorded."""
+    inside dtr.enable(**dtr_kwargs) (dtr.native.enable for engine "native"), and collect
+    what the loop recorded."""
     torch.manual_seed(0)
     model, data = case.build(small)
     model.train()
     run = Run([], [], [], [], None)
     torch.manual_seed(1)  # dropout's stream
-    ctx = dtr.enable(**dtr_kwargs) if dtr_kwargs is not None else contextlib.nullcontext()
+    enable = dtr.native.enable if engine == "native" else dtr.enable
+    ctx = enable(**dtr_kwargs) if dtr_kwargs is not None else contextlib.nullcontext()
     with ctx as session:
         case.train(model, data, run)
     run.params = [p.detach().clone() for p in model.parameters()]
@@ -118,23 +124,24 @@ def _eager(case: Case, small: bool = False) -> Run:
 
 
 @functools.cache
-def _unbudgeted(case: Case) -> Run:
-    return trajectory(case, {"cost_model": "roofline"})
+def _unbudgeted(case: Case, engine: str = "dtr") -> Run:
+    return trajectory(case, {"cost_model": "roofline"}, engine=engine)
 
 
-def check(case: Case, mode) -> dtr.Stats:
-    """Run case under dtr in one of case.modes() and compare it with eager, bit for bit.
-    Budgets must bind: the run evicts and recomputes, and stays within the budget."""
+def check(case: Case, mode, engine: str = "dtr") -> dtr.Stats:
+    """Run case under the engine in one of case.modes() and compare it with eager, bit
+    for bit. Budgets must bind: the run evicts and recomputes, and stays within the
+    budget (a fraction of the engine's own unbudgeted peak)."""
     small = mode == "stress"
     if mode == "unbudgeted":
-        got = _unbudgeted(case)
+        got = _unbudgeted(case, engine)
         assert got.stats.evictions == 0 and got.stats.remats == 0
     elif mode == "stress":
-        got = trajectory(case, {"stress": True}, small=True)
+        got = trajectory(case, {"stress": True}, small=True, engine=engine)
         assert got.stats.remats > got.stats.ops / 2, "stress mode recomputed too little"
     else:
-        budget = int(_unbudgeted(case).stats.peak_resident_bytes * mode)
-        got = trajectory(case, {"budget": budget, "cost_model": "roofline"})
+        budget = int(_unbudgeted(case, engine).stats.peak_resident_bytes * mode)
+        got = trajectory(case, {"budget": budget, "cost_model": "roofline"}, engine=engine)
         assert got.stats.peak_resident_bytes <= budget
         assert got.stats.evictions > 0 and got.stats.remats > 0, "the budget did not bind"
     assert differences(_eager(case, small), got) == []
@@ -415,6 +422,15 @@ CASES = {
 )
 def test_block_matches_eager(name, mode):
     check(CASES[name], mode)
+
+
+@pytest.mark.parametrize(
+    "name, mode", [(name, mode) for name, case in CASES.items() for mode in case.modes()]
+)
+def test_native_block_matches_eager(name, mode):
+    """The same loops under the native engine (dtr.native.enable)."""
+    pytest.importorskip("dtr._C", reason="the native engine is C++")
+    check(CASES[name], mode, engine="native")
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast path", "python path"])
