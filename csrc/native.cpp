@@ -1208,7 +1208,11 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     bool ok = core.make_room(0);
     for (int64_t t : protect) core.unlock(t);
     e.drain();
-    if (!ok) throw BudgetExceeded(e.budget_message(0, "running " + py_name(schema)));
+    if (!ok) {  // the op's fresh outputs are what was asked for (Runtime._settle)
+      int64_t requested = 0;
+      for (int64_t b : nbytes) requested += b;
+      throw BudgetExceeded(e.budget_message(requested, "running " + py_name(schema)));
+    }
     if (e.stress) {  // every later read recomputes (Runtime._settle)
       core.evict_all();
       e.drain();

@@ -39,6 +39,7 @@ from .errors import ConfigError, DTRError
 from .stats import Stats
 
 _installed = False
+_open: NativeSession | None = None  # the open native session (one per process)
 DEFAULT_CACHE = "1GiB"
 # dtr.enable's options the native engine implements (and `cache`, its own)
 OPTIONS = ("seed", "stress", "check", "cost_model", "trace")
@@ -124,21 +125,30 @@ class NativeSession:
         _install()
         from . import _C, session
 
-        if session._active is not None:
-            raise DTRError("dtr: dtr.enable() is active; the two engines do not nest")
-        engine = _C.NativeEngine(self.heuristic, self.budget, self.seed, self.cost_model)
-        engine.set_leaf_hook(self._hook_leaf)
-        engine.stress = self.stress
-        engine.check_each_op = self.check
-        engine.search_sample = _config.SEARCH_SAMPLE_DEFAULT
-        if self.trace is not None:
-            engine.start_trace(self._trace_file(), self.cost_model)
-        engine.activate()
+        global _open
+        with session._active_lock:  # dtr.enable() checks _open under it
+            if session._active is not None:
+                raise DTRError("dtr: dtr.enable() is active; the two engines do not nest")
+            if _open is not None:
+                raise DTRError(
+                    "dtr: a native session is already open (one per process, on any "
+                    "thread); end it first, or change its budget with session.set_budget()"
+                )
+            engine = _C.NativeEngine(self.heuristic, self.budget, self.seed, self.cost_model)
+            engine.set_leaf_hook(self._hook_leaf)
+            engine.stress = self.stress
+            engine.check_each_op = self.check
+            engine.search_sample = _config.SEARCH_SAMPLE_DEFAULT
+            if self.trace is not None:
+                engine.start_trace(self._trace_file(), self.cost_model)
+            engine.activate()
+            _open = self
         if self.cache_bytes:
             try:
                 _C.cpu_cache_attach(self.cache_bytes)
             except BaseException:
                 engine.close()
+                _open = None
                 raise
         self._engine = engine
         self._guard = torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1)
@@ -146,12 +156,14 @@ class NativeSession:
         return self
 
     def __exit__(self, *exc) -> None:
+        global _open
         try:
             self._guard.__exit__(*exc)
         finally:
             try:
                 self._engine.close()
             finally:
+                _open = None
                 for h in self._hooks:
                     h.remove()
                 self._hooks.clear()

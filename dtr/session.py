@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import types
 
@@ -109,6 +110,9 @@ class Session:
                 raise DTRError(
                     "dtr: a session can be entered only once; call dtr.enable() again for a new one"
                 )
+            native = sys.modules.get("dtr.native")  # imported by whoever opened one
+            if native is not None and native._open is not None:
+                raise DTRError("dtr: dtr.native.enable() is active; the two engines do not nest")
             self._runtime = Runtime(self.config)
             try:
                 self._mode = _Mode(self._runtime)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -97,6 +98,21 @@ def test_under_a_budget_evicts_recomputes_and_stays_bitwise(kind, ratio):
     assert stats.peak_resident_bytes <= budget and stats.budget_bytes == budget
     assert got[0] == expect[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
+
+
+def test_budget_below_the_parameters_gives_dtr_enables_numbers():
+    """The message of tests/test_faults.py's first-op failure, word for word."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh())
+    with pytest.raises(dtr.BudgetError) as info:
+        with native.enable(budget="64KiB", cost_model="roofline") as session:
+            model(torch.randn(8, 256)).sum().backward()
+    assert session.stats().ops == 1
+    assert str(info.value).startswith(
+        "dtr: cannot stay within the memory budget of 64.00 KiB while running "
+        "aten.addmm.default: 273.00 KiB resident, 8.00 KiB requested, 265.00 KiB pinned"
+    ), str(info.value)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_infeasible_budget_is_a_budget_error_with_the_numbers():
@@ -723,3 +739,109 @@ def test_the_peaks_are_the_blocks():
     assert stats.resident_bytes > budget  # close() materialized beyond the budget
     assert stats.peak_resident_bytes <= budget
     assert len(outs) == 4
+
+
+# ---------------------------------------------------------------- faults and threads
+def test_one_session_per_process_of_either_engine():
+    with native.enable():
+        with pytest.raises(dtr.DTRError, match="the two engines do not nest"):
+            with dtr.enable():
+                pass
+        errors = []
+
+        def other_thread():
+            try:
+                with native.enable():
+                    pass
+            except dtr.DTRError as e:
+                errors.append(str(e))
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        assert len(errors) == 1 and "a native session is already open" in errors[0]
+    with dtr.enable():  # both free again
+        pass
+
+
+def _tanh_chain(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    hs = [x.tanh()]
+    for _ in range(n - 1):
+        hs.append(hs[-1].tanh())
+    return hs
+
+
+def test_budget_error_while_recomputing_then_the_session_goes_on():
+    x = torch.randn(64, 64, requires_grad=True)
+    expect = torch.autograd.grad(_tanh_chain(x, 8)[-1].sum(), x)[0]
+    with native.enable(cost_model="roofline", check=True) as session:
+        hs = _tanh_chain(x, 8)
+        session.set_budget(2 * 64 * 64 * 4)  # x and one activation: no recomputation fits
+        with pytest.raises(dtr.BudgetError, match="while recomputing aten.tanh.default"):
+            hs[-1].sum().backward()
+        session.set_budget(None)
+        ref = x.detach()
+        for h in hs:  # what the program holds reads back as computed
+            ref = ref.tanh()
+            assert torch.equal(dtr.materialize(h), ref)
+        x.grad = None
+        hs[-1].sum().backward()
+    assert torch.equal(x.grad, expect)
+
+
+class _Interrupt(KeyboardInterrupt):
+    """A KeyboardInterrupt raised on purpose."""
+
+
+def test_interrupt_during_a_recomputing_backward():
+    x = torch.randn(32, 32, requires_grad=True)
+
+    def interrupt(grad):
+        raise _Interrupt
+
+    with pytest.raises(_Interrupt):
+        with native.enable(stress=True) as session:
+            hs = _tanh_chain(x, 7)
+            hs[3].register_hook(interrupt)
+            hs[-1].sum().backward()
+    assert session.stats().remats > 0
+    ref = x.detach()
+    for h in hs:
+        ref = ref.tanh()
+        assert torch.equal(dtr.materialize(h).detach(), ref)
+    x.grad = None
+    with native.enable(stress=True):  # the next session works
+        _tanh_chain(x, 3)[-1].sum().backward()
+    assert torch.equal(x.grad, torch.autograd.grad(_tanh_chain(x, 3)[-1].sum(), x)[0])
+
+
+def test_a_failing_kernel_leaves_the_engine_consistent():
+    x = torch.randn(8, 8, requires_grad=True)
+    with native.enable(stress=True, check=True) as session:
+        h = x.tanh()
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            h @ torch.randn(3, 3)
+        session._engine.check()  # no lock or handle left behind
+        (h * 2).sum().backward()
+    assert torch.equal(x.grad, torch.autograd.grad((x.tanh() * 2).sum(), x)[0])
+
+
+def test_tensors_used_from_other_threads():
+    """Ops on the session's tensors from other threads are served under its lock."""
+    x = torch.randn(64, 64, requires_grad=True)
+    ref = x.detach()
+    for _ in range(6):
+        ref = ref.tanh()
+    got = {}
+    with native.enable(stress=True, check=True):
+        hs = _tanh_chain(x, 6)
+
+        def work(i):
+            got[i] = dtr.materialize((hs[-1] * i).sum())
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert all(torch.equal(got[i], (ref * i).sum()) for i in range(4))
