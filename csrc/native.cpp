@@ -41,6 +41,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -279,6 +280,20 @@ struct Engine : std::enable_shared_from_this<Engine> {
   bool stress = false;           // evict everything evictable after every op (testing mode)
   std::unique_ptr<Trace> trace;  // the operator trace being written, if any
   bool check = false;            // verify the core's invariants after every op (tests)
+  // The newest timeline_limit op boundaries (dtr/timeline.py's columns), if any.
+  struct Row {
+    int64_t ops;
+    c10::OperatorHandle op;
+    bool backward;
+    int64_t before, resident, evictions, remats;
+  };
+  size_t timeline_limit = 0;
+  std::deque<Row> timeline;
+  void timeline_row(const c10::OperatorHandle& op, int64_t before) {
+    if (timeline.size() >= timeline_limit) timeline.pop_front();
+    timeline.push_back({core.ops, op, torch::autograd::get_current_graph_task_id() != -1, before,
+                        core.resident_bytes, core.evictions, core.remats});
+  }
   // (peak resident, peak transient) when the block ended, before close() materialized
   std::optional<std::pair<int64_t, int64_t>> closing_peaks;
 
@@ -1204,6 +1219,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     finish();
     e.drain();
     // the op boundary (Runtime._settle): its fresh outputs protected while choosing
+    const int64_t before = core.resident_bytes;  // a timeline's row brackets the evictions
     for (int64_t t : protect) core.lock(t);
     bool ok = core.make_room(0);
     for (int64_t t : protect) core.unlock(t);
@@ -1217,6 +1233,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       core.evict_all();
       e.drain();
     }
+    if (e.timeline_limit > 0) e.timeline_row(op, before);
     if (e.check) core.check();
   } catch (...) {
     finish();
@@ -1382,8 +1399,9 @@ void bind(py::module_& m) {
           "start_trace",
           [](Engine& e, const std::string& path, const std::string& cost_model) {
             std::lock_guard<std::recursive_mutex> g(e.mu);
-            e.trace = std::make_unique<Trace>(path, e.core.heuristic, e.core.budget, cost_model,
-                                              e.stress, e.core.search_sample, e.seed);
+            e.trace =
+                std::make_unique<Trace>(path, e.core.heuristic, e.core.budget, cost_model, e.stress,
+                                        e.core.search_sample, e.seed, e.core.min_evict_bytes);
           },
           py::arg("path"), py::arg("cost_model"))
       .def_property(
@@ -1400,6 +1418,25 @@ void bind(py::module_& m) {
              return e.core.eviction_log();
            })
       .def_readwrite("check_each_op", &Engine::check)
+      .def_readwrite("timeline_limit", &Engine::timeline_limit)
+      .def_property(
+          "min_evict_bytes", [](Engine& e) { return e.core.min_evict_bytes; },
+          [](Engine& e, int64_t n) { e.core.min_evict_bytes = n; })
+      .def("timeline_rows",
+           [](Engine& e) {  // column-wise, oldest first (dtr.timeline.COLUMNS)
+             std::lock_guard<std::recursive_mutex> g(e.mu);
+             py::list ops, names, backward, before, resident, evictions, remats;
+             for (const auto& r : e.timeline) {
+               ops.append(r.ops);
+               names.append(py_name(r.op.schema()));
+               backward.append(r.backward);
+               before.append(r.before);
+               resident.append(r.resident);
+               evictions.append(r.evictions);
+               remats.append(r.remats);
+             }
+             return py::make_tuple(ops, names, backward, before, resident, evictions, remats);
+           })
       .def("set_leaf_hook", [](Engine& e, py::function f) { e.leaf_hook = std::move(f); })
       .def(
           "export",

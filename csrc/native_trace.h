@@ -19,14 +19,16 @@ class Trace {
  public:
   // Opens path (plain text; dtr.native compresses a .gz afterwards) and writes START.
   Trace(const std::string& path, const std::string& heuristic, int64_t budget,
-        const std::string& cost_model, bool stress, int64_t search_sample, uint64_t seed)
+        const std::string& cost_model, bool stress, int64_t search_sample, uint64_t seed,
+        int64_t min_evict_bytes)
       : f_(std::fopen(path.c_str(), "w")) {
     if (f_ == nullptr) throw std::runtime_error("dtr: cannot write the trace to " + path);
     line("{\"INSTRUCTION\":\"ANNOTATE\",\"ANNOTATION\":\"START\",\"DTR\":\"1\",\"HEURISTIC\":" +
          quote(heuristic) + ",\"BUDGET\":" + quote(std::to_string(budget)) +
          ",\"COST_MODEL\":" + quote(cost_model) + ",\"STRESS\":\"" + (stress ? "1" : "0") +
          "\",\"SEARCH_SAMPLE\":" + quote(std::to_string(search_sample)) +
-         ",\"SEED\":" + quote(std::to_string(seed)) + ",\"MIN_EVICT_BYTES\":\"0\"}");
+         ",\"SEED\":" + quote(std::to_string(seed)) +
+         ",\"MIN_EVICT_BYTES\":" + quote(std::to_string(min_evict_bytes)) + "}");
   }
   ~Trace() { close(); }
   Trace(const Trace&) = delete;

@@ -15,7 +15,8 @@ PyTorch's OpInfo database runs under it in stress mode bit for bit as eager
 (tests/test_opinfo.py, test_native_*).
 Gradients accumulated into a leaf's .grad are handed out plain. An infeasible budget
 raises dtr.BudgetError. Traces (trace=, DTR_TRACE) are the default engine's format, for
-dtr.sim; timelines and OOM retry are the default engine's only (dtr.enable).
+dtr.sim; timelines and per-step logs are dtr.enable()'s too; OOM retry (CUDA) and
+collectives are the default engine's only (dtr.enable).
 
 While a session is open, CPU allocations of 64 KiB and up in this process go through a
 cache that keeps freed blocks for the next request of the same size, as CUDA's caching
@@ -32,17 +33,20 @@ import os
 import shutil
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import config as _config
 from . import schema as _schema
 from .errors import ConfigError, DTRError
 from .stats import Stats
+from .steps import StepStats, StepTracker
+from .timeline import Timeline
 
 _installed = False
 _open: NativeSession | None = None  # the open native session (one per process)
 DEFAULT_CACHE = "1GiB"
-# dtr.enable's options the native engine implements (and `cache`, its own)
-OPTIONS = ("seed", "stress", "check", "cost_model", "trace")
+# dtr.enable's options, all of which the native engine implements (and `cache`, its own)
+OPTIONS = _config.OPTIONS
 
 
 def _install() -> None:
@@ -115,11 +119,15 @@ class NativeSession:
         self.check = config.check
         self.cost_model = config.cost_model
         self.trace = config.trace  # an operator trace for dtr.sim, if any
+        self.config = config
         self.cache_bytes = 0 if cache in (0, None) else _config.parse_budget(cache, "cache")
         self.cache_stats: dict | None = None  # the cache's hits and misses, after the block
         self._engine = None
         self._guard = None
         self._hooks: list = []  # post-accumulate-grad hook handles, removed at exit
+        self._steps: StepTracker | None = None
+        # the session's peaks before the last take_step_peak() (Runtime.peak_carry)
+        self._peak_carry = self._max_carry = 0
 
     def __enter__(self) -> NativeSession:
         _install()
@@ -138,7 +146,9 @@ class NativeSession:
             engine.set_leaf_hook(self._hook_leaf)
             engine.stress = self.stress
             engine.check_each_op = self.check
-            engine.search_sample = _config.SEARCH_SAMPLE_DEFAULT
+            engine.search_sample = self.config.search_sample
+            engine.min_evict_bytes = self.config.min_evict_bytes
+            engine.timeline_limit = self.config.timeline
             if self.trace is not None:
                 engine.start_trace(self._trace_file(), self.cost_model)
             engine.activate()
@@ -151,6 +161,11 @@ class NativeSession:
                 _open = None
                 raise
         self._engine = engine
+        self._steps = StepTracker(self)
+        if self.config.log_steps:  # a step ends at every optimizer.step() (dtr.enable's)
+            self._hooks.append(
+                register_optimizer_step_post_hook(lambda *_: self._end_step_from_hook())
+            )
         self._guard = torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1)
         self._guard.__enter__()
         return self
@@ -203,16 +218,69 @@ class NativeSession:
         """Start the peak counters (peak_resident_bytes, max_transient_bytes) afresh."""
         if self._engine is None or not self._engine.open:
             raise DTRError("dtr: reset_peak() needs an active session")
+        self._peak_carry = self._max_carry = 0
         self._engine.reset_peak()
 
     def stats(self) -> Stats:
         """The same dtr.Stats as a dtr.enable() session's (core: "native")."""
+        if self._engine is None:
+            raise DTRError(
+                "dtr: this session has not been entered yet; use it in a `with` statement"
+            )
+        counters = self._engine.stats()
+        counters["peak_resident_bytes"] = max(self._peak_carry, counters["peak_resident_bytes"])
+        counters["max_transient_bytes"] = max(self._max_carry, counters["max_transient_bytes"])
         return Stats(
             budget_bytes=None if self.budget < 0 else self.budget,
             heuristic=self.heuristic,
             core="native",
-            **self._engine.stats(),
+            **counters,
         )
+
+    def end_step(self) -> StepStats:
+        """Close a training step, as dtr.enable()'s Session.end_step: returns (and logs at
+        INFO to the "dtr" logger) what the engine did since the previous one."""
+        if self._engine is None or not self._engine.open:
+            raise DTRError("dtr: end_step() needs an active session")
+        return self._steps.end()
+
+    def steps(self) -> list[StepStats]:
+        """Every step closed so far, oldest first (see :meth:`end_step`)."""
+        return [] if self._steps is None else list(self._steps.history)
+
+    def timeline(self) -> Timeline:
+        """Resident bytes at each op boundary, with evictions and remats (needs
+        ``timeline=True``), as dtr.enable()'s Session.timeline; inside or after the block."""
+        if self._engine is None or not self.config.timeline:
+            raise DTRError(
+                "dtr: this session records no timeline; pass dtr.native.enable(..., timeline=True)"
+            )
+        return Timeline(*self._engine.timeline_rows(), budget_bytes=self.stats().budget_bytes)
+
+    # StepTracker's source (dtr/steps.py)
+    def step_counters(self) -> tuple:
+        c = self._engine.stats()
+        budget = None if self.budget < 0 else self.budget
+        return (
+            c["ops"],
+            c["evictions"],
+            c["remats"],
+            c["recompute_seconds"],
+            c["resident_bytes"],
+            budget,
+        )
+
+    def take_step_peak(self) -> tuple[int, int]:
+        c = self._engine.stats()
+        peak, transient = c["peak_resident_bytes"], c["max_transient_bytes"]
+        self._peak_carry = max(self._peak_carry, peak)
+        self._max_carry = max(self._max_carry, transient)
+        self._engine.reset_peak()
+        return peak, transient
+
+    def _end_step_from_hook(self) -> None:
+        if self._engine is not None and self._engine.open:
+            self._steps.end()
 
 
 def _compress(src: str, dst: str) -> None:
@@ -234,7 +302,10 @@ def enable(budget=None, heuristic: str | None = None, **options) -> NativeSessio
             ``DTR_DEBUG``); ``cost_model`` "time" or "roofline", as dtr.enable's
             (default: ``DTR_COST_MODEL``, else "time"); ``trace`` a path to write an
             operator trace to for dtr.sim, compressed if it ends in ".gz" (default:
-            ``DTR_TRACE``); ``seed`` for the random heuristic.
+            ``DTR_TRACE``); ``timeline=True`` keeps resident bytes per op for
+            :meth:`NativeSession.timeline`; ``log_steps=True`` logs a summary per
+            optimizer step (:meth:`NativeSession.end_step`); ``seed``,
+            ``min_evict_bytes`` and ``search_sample`` as dtr.enable's.
     """
     return NativeSession(budget, heuristic, **options)
 

@@ -595,6 +595,18 @@ class Runtime(Driver):
                 )
 
     # ================================================================== steps
+    def step_counters(self) -> tuple:
+        """What StepTracker reads (dtr/steps.py)."""
+        core = self.core
+        return (
+            core.ops,
+            core.evictions,
+            core.remats,
+            self.recompute_seconds,
+            core.resident_bytes,
+            self.config.budget_bytes,
+        )
+
     def take_step_peak(self) -> tuple[int, int]:
         """(peak, max transient) since the last step ended; the session's are kept in
         peak_carry and max_carry."""

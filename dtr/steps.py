@@ -60,28 +60,26 @@ class StepStats(Loggable):
 
 
 class StepTracker:
-    """Counts steps of one runtime. ``end()`` closes the current step."""
+    """Counts the steps of one engine. ``source`` is the engine's runtime (dtr.enable's
+    Runtime, or a native session): ``step_counters()`` returns (ops, evictions, remats,
+    recompute_seconds, resident_bytes, budget_bytes or None) so far, and
+    ``take_step_peak()`` the (peak, max transient) bytes since the last step, starting
+    them afresh. ``end()`` closes the current step."""
 
-    def __init__(self, runtime):
-        self.runtime = runtime
+    def __init__(self, source):
+        self.source = source
         self.history: list[StepStats] = []
         self._mark = self._counters()
 
     def _counters(self) -> tuple:
-        core = self.runtime.core
-        return (
-            core.ops,
-            core.evictions,
-            core.remats,
-            self.runtime.recompute_seconds,
-            time.perf_counter(),
-        )
+        ops, evictions, remats, seconds, _, _ = self.source.step_counters()
+        return (ops, evictions, remats, seconds, time.perf_counter())
 
     def end(self) -> StepStats:
-        rt = self.runtime
-        now = self._counters()
+        *counted, resident, budget = self.source.step_counters()
+        now = (*counted, time.perf_counter())
         ops, evictions, remats, seconds, wall = (b - a for a, b in zip(self._mark, now))
-        peak, transient = rt.take_step_peak()
+        peak, transient = self.source.take_step_peak()
         step = StepStats(
             step=len(self.history) + 1,
             ops=ops,
@@ -90,8 +88,8 @@ class StepTracker:
             recompute_seconds=seconds,
             peak_resident_bytes=peak,
             max_transient_bytes=transient,
-            resident_bytes=rt.core.resident_bytes,
-            budget_bytes=rt.config.budget_bytes,
+            resident_bytes=resident,
+            budget_bytes=budget,
             seconds=wall,
         )
         self.history.append(step)

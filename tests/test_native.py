@@ -331,8 +331,39 @@ def test_stress_from_the_environment(kind, monkeypatch):
 
 
 def test_unknown_option_is_a_config_error():
-    with pytest.raises(dtr.ConfigError, match="dtr: unknown option.*: timeline; valid: seed"):
-        native.enable(timeline=10)
+    with pytest.raises(dtr.ConfigError, match="dtr: unknown option.*: timelines; valid: stress"):
+        native.enable(timelines=10)
+
+
+def test_timeline_and_per_step_logs_as_dtr_enables(caplog):
+    """timeline=N keeps the newest N op boundaries (dtr.timeline's columns); log_steps
+    closes a step at every optimizer.step() and logs it; the session's peak is the
+    largest step's."""
+    model, x, y = _model("mlp")
+    budget = int(_peak("mlp") * 0.7)
+    with caplog.at_level("INFO", logger="dtr"):
+        options = {"timeline": True, "log_steps": True, "cost_model": "roofline"}
+        with native.enable(budget=budget, **options) as session:
+            _train(model, x, y, steps=3)
+            inside = session.timeline()
+    stats, steps, timeline = session.stats(), session.steps(), session.timeline()
+    assert len(steps) == 3 and [s.step for s in steps] == [1, 2, 3]
+    assert sum(s.ops for s in steps) == stats.ops and sum(s.remats for s in steps) == stats.remats
+    assert max(s.peak_resident_bytes for s in steps) == stats.peak_resident_bytes <= budget
+    assert all(s.budget_bytes == budget for s in steps)
+    assert len([r for r in caplog.records if r.getMessage().startswith("dtr step")]) == 3
+    assert timeline.as_dict() == inside.as_dict()
+    assert timeline.op[-1] == stats.ops and timeline.evictions[-1] == stats.evictions
+    assert all(b >= r for b, r in zip(timeline.before_bytes, timeline.resident_bytes))
+    assert max(timeline.resident_bytes) <= budget < max(timeline.before_bytes)
+    assert "aten.addmm.default" in timeline.name and any(timeline.backward)
+    with native.enable() as plain:
+        with pytest.raises(dtr.DTRError, match="records no timeline"):
+            plain.timeline()
+        assert plain.end_step().step == 1 and len(plain.steps()) == 1
+    with native.enable(timeline=5) as short:
+        _train(*_model("mlp"), steps=1)
+    assert len(short.timeline()) == 5 and short.timeline().op[-1] == short.stats().ops
 
 
 def test_bad_stress_flag_is_a_config_error():
