@@ -25,6 +25,11 @@ ENV_DEBUG = "DTR_DEBUG"
 ENV_COST_MODEL = "DTR_COST_MODEL"
 ENV_TRACE = "DTR_TRACE"
 ENV_LOG_STEPS = "DTR_LOG_STEPS"
+ENV_ENGINE = "DTR_ENGINE"
+
+# "default": a Python dispatch mode with a C++ fast path, on any device; "native": managed
+# tensors as a C++ TensorImpl, every op through one C++ fallback (CPU only; dtr.native).
+ENGINES = ("default", "native")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -55,6 +60,7 @@ class DTRConfig:
         timeline: how many op boundaries to keep in session.timeline() (the newest);
             0 records none.
         log_steps: log a one-line summary per optimizer step to the "dtr" logger.
+        engine: "default" or "native" (see ENGINES).
     """
 
     budget_bytes: int | None = None
@@ -69,6 +75,7 @@ class DTRConfig:
     trace: str | None = None
     timeline: int = 0
     log_steps: bool = False
+    engine: str = "default"
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and (
@@ -94,6 +101,8 @@ class DTRConfig:
                     f"dtr: trace {self.trace!r} (option trace or {ENV_TRACE}): folder "
                     f"{folder!r} does not exist; give a file path in an existing folder"
                 )
+        if self.engine not in ENGINES:
+            raise ConfigError(f"dtr: unknown engine {self.engine!r}; valid: {', '.join(ENGINES)}")
         if self.cost_model not in COST_MODELS:
             raise ConfigError(
                 f"dtr: unknown cost_model {self.cost_model!r}; valid: {', '.join(COST_MODELS)}"
@@ -117,6 +126,7 @@ OPTIONS = (
     "trace",
     "timeline",
     "log_steps",
+    "engine",
 )
 TIMELINE_DEFAULT = 1_000_000  # timeline=True: ~100 MB of Python objects at most
 
@@ -215,6 +225,13 @@ def resolve(
     log_steps = options.get("log_steps")
     if log_steps is None:
         log_steps = bool(_env_flag(env, ENV_LOG_STEPS))
+    engine = options.get("engine")
+    if engine is None:
+        engine = env.get(ENV_ENGINE, "").strip() or "default"
+        if engine not in ENGINES:
+            raise ConfigError(
+                f"dtr: unknown engine {engine!r} in {ENV_ENGINE}; valid: {', '.join(ENGINES)}"
+            )
     timeline = options.get("timeline", 0)
     if timeline is True:
         timeline = TIMELINE_DEFAULT
@@ -233,4 +250,5 @@ def resolve(
         search_sample=options.get("search_sample", SEARCH_SAMPLE_DEFAULT),
         check=check,
         force_python=force_python(env),
+        engine=engine,
     )

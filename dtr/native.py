@@ -28,6 +28,7 @@ freed when the session ends.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import os
 import shutil
@@ -46,7 +47,7 @@ _installed = False
 _open: NativeSession | None = None  # the open native session (one per process)
 DEFAULT_CACHE = "1GiB"
 # dtr.enable's options, all of which the native engine implements (and `cache`, its own)
-OPTIONS = _config.OPTIONS
+OPTIONS = tuple(o for o in _config.OPTIONS if o != "engine")
 
 
 def _install() -> None:
@@ -96,22 +97,7 @@ def _view_forms() -> list[tuple[str, str, str]]:
 class NativeSession:
     """A context manager: the native engine is on for the thread that enters it."""
 
-    def __init__(self, budget=None, heuristic: str | None = None, cache=DEFAULT_CACHE, **options):
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise ConfigError(
-                f"dtr: unknown option(s) for dtr.native.enable: {', '.join(unknown)}; "
-                f"valid: {', '.join((*OPTIONS, 'cache'))}"
-            )
-        # dtr.enable's resolution of the options and of their environment variables
-        # (DTR_STRESS, DTR_DEBUG, DTR_COST_MODEL, DTR_TRACE), but the budget and heuristic
-        # are taken as given here: DTR_MEMORY_BUDGET and DTR_HEURISTIC are dtr.enable's.
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in (_config.ENV_BUDGET, _config.ENV_HEURISTIC)
-        }
-        config = _config.resolve(budget, heuristic, env=env, **options)
+    def __init__(self, config: _config.DTRConfig, cache=DEFAULT_CACHE):
         self.budget = -1 if config.budget_bytes is None else config.budget_bytes
         self.heuristic = config.heuristic
         self.seed = config.seed
@@ -189,6 +175,10 @@ class NativeSession:
                     _C.cpu_cache_detach()
                 if self.trace is not None and self._trace_file() != self.trace:
                     _compress(self._trace_file(), self.trace)
+
+    @property
+    def active(self) -> bool:
+        return self._engine is not None and self._engine.open
 
     def _trace_file(self) -> str:
         """Where the engine writes its trace: the path, or beside it while compressing."""
@@ -289,7 +279,9 @@ def _compress(src: str, dst: str) -> None:
     os.remove(src)
 
 
-def enable(budget=None, heuristic: str | None = None, **options) -> NativeSession:
+def enable(
+    budget=None, heuristic: str | None = None, cache=DEFAULT_CACHE, **options
+) -> NativeSession:
     """The native engine for a `with` block.
 
     Args:
@@ -307,7 +299,19 @@ def enable(budget=None, heuristic: str | None = None, **options) -> NativeSessio
             optimizer step (:meth:`NativeSession.end_step`); ``seed``,
             ``min_evict_bytes`` and ``search_sample`` as dtr.enable's.
     """
-    return NativeSession(budget, heuristic, **options)
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"dtr: unknown option(s) for dtr.native.enable: {', '.join(unknown)}; "
+            f"valid: {', '.join((*OPTIONS, 'cache'))}"
+        )
+    # dtr.enable's resolution of the options and of their environment variables
+    # (DTR_STRESS, DTR_DEBUG, DTR_COST_MODEL, DTR_TRACE, ...), but the budget and heuristic
+    # are taken as given here: DTR_MEMORY_BUDGET and DTR_HEURISTIC are dtr.enable's.
+    ignored = (_config.ENV_BUDGET, _config.ENV_HEURISTIC, _config.ENV_ENGINE)
+    env = {k: v for k, v in os.environ.items() if k not in ignored}
+    config = _config.resolve(budget, heuristic, env=env, **options)
+    return NativeSession(dataclasses.replace(config, engine="native"), cache)
 
 
 def is_managed(t: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import DTRConfig, resolve
-from .errors import DTRError
+from .errors import ConfigError, DTRError
 from .runtime import Runtime
 from .stats import Stats, collect
 from .steps import StepStats
@@ -249,10 +249,13 @@ def enable(budget: object = None, heuristic: str | None = None, **options) -> Se
             "time": measured wall time); ``trace="run.jsonl"`` records every op for
             the simulator (dtr.sim); ``timeline=True`` keeps resident bytes per op for
             :meth:`Session.timeline`; ``log_steps=True`` logs a summary per
-            optimizer step (:meth:`Session.end_step`).
+            optimizer step (:meth:`Session.end_step`); ``engine="native"`` (or
+            ``DTR_ENGINE=native``) runs the block on the native engine (CPU tensors
+            only; see :mod:`dtr.native`), "default" on this one.
 
     Returns:
-        A :class:`Session`; enter it with ``with``.
+        A :class:`Session` (a :class:`dtr.native.NativeSession` for the native engine,
+        with the same methods); enter it with ``with``.
 
     Raises:
         dtr.ConfigError: unparsable or non-positive budget, unknown heuristic or option.
@@ -262,7 +265,19 @@ def enable(budget: object = None, heuristic: str | None = None, **options) -> Se
         ...     loss = model(x).sum(); loss.backward(); opt.step()
         >>> print(session.stats())
     """
-    return Session(resolve(budget, heuristic, **options))
+    config = resolve(budget, heuristic, **options)
+    if config.engine == "native":
+        try:
+            from . import _C  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(
+                "dtr: engine 'native' needs dtr's C++ extension (dtr._C), which this "
+                f"install lacks ({e}); build it (pip install -e .) or use engine='default'"
+            ) from None
+        from .native import NativeSession
+
+        return NativeSession(config)
+    return Session(config)
 
 
 def materialize(t: torch.Tensor) -> torch.Tensor:

@@ -876,3 +876,39 @@ def test_tensors_used_from_other_threads():
         for t in threads:
             t.join()
     assert all(torch.equal(got[i], (ref * i).sum()) for i in range(4))
+
+
+# ---------------------------------------------------------------- dtr.enable(engine=...)
+def test_dtr_enable_selects_the_native_engine(monkeypatch):
+    """engine="native" (or DTR_ENGINE=native) runs the block on this engine, with
+    dtr.enable's reading of the environment (DTR_MEMORY_BUDGET included)."""
+    expect = _train(*_model("mlp"))
+    budget = int(_peak("mlp") * 0.7)
+    monkeypatch.setenv("DTR_MEMORY_BUDGET", str(budget))
+    with dtr.enable(engine="native", cost_model="roofline") as session:
+        got = _train(*_model("mlp"))
+    assert isinstance(session, native.NativeSession) and not session.active
+    stats = session.stats()
+    assert stats.core == "native" and stats.budget_bytes == budget and stats.evictions > 0
+    assert got[0] == expect[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
+    monkeypatch.setenv("DTR_ENGINE", "native")
+    with dtr.enable() as from_env:
+        assert from_env.active and dtr.session.current() is None
+    assert isinstance(from_env, native.NativeSession)
+    monkeypatch.setenv("DTR_ENGINE", "c++")
+    with pytest.raises(dtr.ConfigError, match="unknown engine 'c..' in DTR_ENGINE; valid: def"):
+        dtr.enable()
+    with pytest.raises(dtr.ConfigError, match="unknown engine 'fast'; valid: default, native"):
+        dtr.enable(engine="fast")
+    monkeypatch.setenv("DTR_ENGINE", "default")
+    assert isinstance(dtr.enable(), dtr.session.Session)
+
+
+def test_the_native_engine_without_the_extension_is_a_config_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "dtr._C", None)  # import dtr._C raises ImportError
+    monkeypatch.delattr(dtr, "_C")
+    with pytest.raises(dtr.ConfigError, match="engine 'native' needs dtr's C.. extension"):
+        dtr.enable(engine="native")
