@@ -7,6 +7,7 @@ parameters are compared bit for bit.
 
     python -m bench.train                                   # transformer at 40% of its peak
     python -m bench.train --model cnn --budget 8MiB --heuristic dtr_eq --steps 50
+    python -m bench.train --engine native --check           # the native engine (CPU)
 """
 
 from __future__ import annotations
@@ -70,13 +71,20 @@ def main(argv=None) -> None:
     parser.add_argument("--heuristic", default=None, choices=list(dtr.HEURISTICS))
     parser.add_argument("--optimizer", default="adam", choices=["sgd", "adam", "adamw"])
     parser.add_argument("--check", action="store_true", help="compare with eager, bitwise")
+    parser.add_argument(
+        "--engine",
+        default=None,
+        choices=["default", "native"],
+        help="dtr's engine (default: DTR_ENGINE, else the default engine)",
+    )
     args = parser.parse_args(argv)
+    engine = {"engine": args.engine} if args.engine else {}
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     scale = args.scale or BENCH_SCALE[args.model]
 
     budget = args.budget
     if budget is None:
-        _, probe = run(args.model, scale, 1, {}, args.optimizer)
+        _, probe = run(args.model, scale, 1, dict(engine), args.optimizer)
         peak = probe.stats().peak_resident_bytes
         budget = int(peak * args.budget_ratio)
         log.info(
@@ -87,7 +95,7 @@ def main(argv=None) -> None:
             args.budget_ratio * 100,
             budget / 2**20,
         )
-    kwargs = {"budget": budget}
+    kwargs = {"budget": budget, **engine}
     if args.heuristic:
         kwargs["heuristic"] = args.heuristic
     model, session = run(args.model, scale, args.steps, kwargs, args.optimizer)

@@ -120,6 +120,10 @@ class NativeSession:
         from . import _C, session
 
         global _open
+        if self._engine is not None:
+            raise DTRError(
+                "dtr: a session can be entered only once; call dtr.enable() again for a new one"
+            )
         with session._active_lock:  # dtr.enable() checks _open under it
             if session._active is not None:
                 raise DTRError("dtr: dtr.enable() is active; the two engines do not nest")

@@ -793,6 +793,12 @@ def test_one_session_per_process_of_either_engine():
         assert len(errors) == 1 and "a native session is already open" in errors[0]
     with dtr.enable():  # both free again
         pass
+    session = native.enable()
+    with session:
+        pass
+    with pytest.raises(dtr.DTRError, match="entered only once"):
+        with session:
+            pass
 
 
 def _tanh_chain(x: torch.Tensor, n: int) -> list[torch.Tensor]:
