@@ -1091,7 +1091,11 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
           facts.plain_returns.end())
         continue;
       auto take = [&](int64_t j, const at::Tensor& t) {
-        if (!t.defined() || t.layout() != c10::kStrided) return;
+        // sparse, quantized and nested results stay plain, as the default engine leaves
+        // them (a NativeImpl has the PrivateUse1 keys only: a quantized value would read
+        // as its integers)
+        if (!t.defined() || t.layout() != c10::kStrided || t.is_quantized() || t.is_nested())
+          return;
         for (size_t k = 0; k < leaves.size(); ++k)
           if (is_written(leaves[k].arg) && passed[k].defined() && t.is_same(passed[k])) {
             set_item((*stack)[rbegin + i], j, leaves[k].tensor);

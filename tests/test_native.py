@@ -179,6 +179,24 @@ def test_what_it_does_not_serve_is_refused_by_name():
         assert torch.equal(torch.sparse.mm(sparse, torch.ones(4, 2)), torch.ones(4, 2))
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_sparse_and_quantized_results_of_managed_tensors_stay_what_they_are():
+    """An op on a managed tensor whose result is sparse or quantized leaves it plain (a
+    quantized value wrapped as a managed tensor read as its integers)."""
+    x = torch.randn(4, 4, requires_grad=True)
+    h0 = (x * 2).detach()
+    with native.enable(stress=True):
+        h = (x * 2).detach()
+        q = torch.quantize_per_tensor(h, 0.1, 0, torch.qint8)
+        s = h.to_sparse()
+        assert q.is_quantized and not native.is_managed(q)
+        assert s.is_sparse and not native.is_managed(s)
+        assert torch.equal(
+            q.int_repr(), torch.quantize_per_tensor(h0, 0.1, 0, torch.qint8).int_repr()
+        )
+        assert torch.equal(s.to_dense(), h0)
+
+
 def _in_place_views(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     h = x @ w + 0.5  # 8 x 6 (add saves nothing: h may change in place)
     saved = h.detach()  # an alias taken before: keeps its geometry
