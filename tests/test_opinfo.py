@@ -14,15 +14,20 @@ The in-place form of each op that has one (``test_inplace[add-float32]`` runs
 ``x.add_(y)``) is checked the same way: it exercises new versions of managed tensors and
 recipes that replay on a copy of the old value (NOTES.md, Invariant 4).
 
+The same sweep runs under the native engine (``dtr.native.enable(stress=True,
+check=True)``; ``test_native_op``, ``test_native_inplace``), where managed tensors are a
+C++ TensorImpl rather than a wrapper subclass.
+
 Variants that cannot pass are listed in ``tests/opinfo_expected.txt`` with a category and
-a one-line reason; the file is checked both ways (a listed variant that passes fails).
+a one-line reason (for one engine if the entry says so); the file is checked both ways (a
+listed variant that passes fails).
 
 By default each variant runs its first ``DTR_OPINFO_SAMPLES`` samples that hold data (8),
 fewer once ``REMAT_BUDGET`` recomputations were made, and a listed variant more until it
 shows what its entry claims: about 1.5 minutes on one core. ``DTR_OPINFO_FULL=1`` runs
 every sample of every variant. ``-m "not opinfo"`` leaves the module out.
-``python -m tests.test_opinfo [op ...]`` runs the sweep outside pytest and prints every
-failure and the pass rate per dtype.
+``python -m tests.test_opinfo [--native] [op ...]`` runs the sweep outside pytest (under
+the native engine with ``--native``) and prints every failure and the pass rate per dtype.
 """
 
 from __future__ import annotations
@@ -64,8 +69,6 @@ try:
     HAVE_NATIVE = True
 except ImportError:  # the pure-Python build: no native engine
     HAVE_NATIVE = False
-# the engines a variant runs under: dtr.enable(), and the native engine (dtr.native.enable)
-ENGINES = ("dtr", "native") if HAVE_NATIVE else ("dtr",)
 
 
 def op_key(op) -> str:
