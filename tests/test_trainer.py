@@ -115,3 +115,22 @@ def test_a_failed_run_is_closed_by_the_next_one(tmp_path):
     assert dtr.session.current() is None
     with pytest.raises(dtr.ConfigError, match="log_steps"):
         DTRCallback(log_steps=True)
+
+
+def test_trainer_on_the_native_engine(tmp_path, eager):
+    """DTRCallback(engine="native"): the Trainer's run on the native engine, under a budget
+    that binds (0.6 of that engine's own unbudgeted peak), bitwise as eager."""
+    pytest.importorskip("dtr._C", reason="the native engine is C++")
+    free = DTRCallback(engine="native")
+    _train(tmp_path / "free", free)
+    budget = int(free.session.stats().peak_resident_bytes * 0.6)
+    cb = DTRCallback(engine="native", cost_model="roofline")
+    params = _train(tmp_path / "run", cb, dtr_budget=f"{budget}B")
+    stats = cb.session.stats()
+    assert stats.core == "native" and stats.budget_bytes == budget
+    assert stats.evictions > 0 and stats.remats > 0
+    assert stats.peak_resident_bytes <= budget and not cb.session.active
+    assert [s.step for s in cb.session.steps()] == list(range(1, STEPS + 1))
+    for name, value in eager.items():
+        assert type(params[name]) is torch.Tensor
+        assert torch.equal(params[name], value), f"{name} differs from the eager Trainer run"
