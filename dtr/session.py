@@ -224,9 +224,13 @@ class Session:
                 rt.trace.budget(nbytes)
 
 
-def current() -> Session | None:
-    """The active session, if any."""
-    return _active
+def current():
+    """The active session of either engine (a Session, or a dtr.native.NativeSession), if
+    any."""
+    if _active is not None:
+        return _active
+    native = sys.modules.get("dtr.native")
+    return None if native is None else native._open
 
 
 def enable(budget: object = None, heuristic: str | None = None, **options) -> Session:

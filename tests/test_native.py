@@ -919,7 +919,7 @@ def test_dtr_enable_selects_the_native_engine(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
     monkeypatch.setenv("DTR_ENGINE", "native")
     with dtr.enable() as from_env:
-        assert from_env.active and dtr.session.current() is None
+        assert from_env.active and dtr.session.current() is from_env
     assert isinstance(from_env, native.NativeSession)
     monkeypatch.setenv("DTR_ENGINE", "c++")
     with pytest.raises(dtr.ConfigError, match="unknown engine 'c..' in DTR_ENGINE; valid: def"):
