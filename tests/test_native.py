@@ -520,6 +520,32 @@ def test_a_native_run_and_its_trace_replayed_evict_alike(name, tmp_path):
         assert (res.evictions, res.remats) == (stats.evictions, stats.remats)
 
 
+def test_sampled_search_and_min_evict_bytes_are_in_the_trace(tmp_path):
+    """search_sample (sampling beyond 8 candidates here) and min_evict_bytes reach the
+    engine's core and the trace's START, and a replay follows them to the same evictions."""
+    from dtr import sim
+
+    with native.enable(cost_model="roofline") as free:
+        _bench_run("tree", contextlib.nullcontext())
+    budget = int(free.stats().peak_resident_bytes * 0.5)
+    path = str(tmp_path / "tree.jsonl")
+    options = {"search_sample": 8, "min_evict_bytes": 2048, "cost_model": "roofline"}
+    with native.enable(budget=budget, trace=path, **options) as session:
+        session._engine.log_evictions(True)
+        _bench_run("tree", contextlib.nullcontext())
+        live_log = session._engine.eviction_log()
+    with open(path) as f:
+        start = json.loads(f.readline())
+    assert (start["SEARCH_SAMPLE"], start["MIN_EVICT_BYTES"]) == ("8", "2048")
+    assert session.stats().evictions == len(live_log) > 0
+    res = sim.simulate(sim.load(path), "dtr", budget=budget, log=True, thrash=0)
+    assert res.status == "ok" and res.eviction_log == live_log
+    with native.enable(budget=budget, cost_model="roofline") as exact:
+        exact._engine.log_evictions(True)
+        _bench_run("tree", contextlib.nullcontext())
+        assert exact._engine.eviction_log() != live_log  # the options changed the choices
+
+
 @pytest.mark.parametrize("change", [0.7, None])
 def test_set_budget_takes_effect_at_the_next_op_and_is_in_the_trace(change, tmp_path):
     """session.set_budget() between steps: the run stays bitwise as eager, evicts from then
