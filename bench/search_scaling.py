@@ -7,10 +7,12 @@ it makes. Per heuristic and N = 1e3 .. 1e6 (C++ core; the Python twin up to 1e4)
 exact search and with the default sampled search (--sample). Writes
 bench/results/search_scaling.csv. Then, in live training runs of every bench model at 30%
 of its unconstrained peak, the share of the step spent choosing victims
-(Stats.search_seconds): bench/results/search_live.csv.
+(Stats.search_seconds): bench/results/search_live.csv (search_live.native.csv for the
+native engine, --engine native).
 
     python -m bench.search_scaling                 # a few minutes
     python -m bench.search_scaling --sizes 1000 10000
+    python -m bench.search_scaling --skip-synthetic --engine native   # live runs only
 """
 
 from __future__ import annotations
@@ -103,9 +105,11 @@ def live(args) -> list[list]:
     rows = []
     for name in args.models:
         scale = BENCH_SCALE[name]
-        free = timed_steps(name, scale, 1, 1, {})
+        engine = {"engine": args.engine}
+        free = timed_steps(name, scale, 1, 1, engine)
         budget = int(free.stats.peak_resident_bytes * args.ratio)
-        run = timed_steps(name, scale, args.steps, 0, {"budget": budget, "heuristic": "dtr"})
+        kwargs = {"budget": budget, "heuristic": "dtr", **engine}
+        run = timed_steps(name, scale, args.steps, 0, kwargs)
         if run.error:
             rows.append([name, args.ratio, run.error, "", "", "", ""])
             continue
@@ -139,6 +143,12 @@ def main(argv=None) -> None:
     parser.add_argument("--ratio", type=float, default=0.3, help="live runs: budget / peak")
     parser.add_argument("--steps", type=int, default=3, help="live runs: steps timed")
     parser.add_argument("--skip-synthetic", action="store_true")
+    parser.add_argument(
+        "--engine",
+        default="default",
+        choices=["default", "native"],
+        help="live runs: dtr's engine (native: bench/results/search_live.native.csv)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if not args.skip_synthetic:
@@ -173,7 +183,8 @@ def main(argv=None) -> None:
     table = live(args)
     print()
     print_table(header, table)
-    path = os.path.join(RESULTS, "search_live.csv")
+    stem = "search_live.native" if args.engine == "native" else "search_live"
+    path = os.path.join(RESULTS, stem + ".csv")
     write_csv(path, header, table)
     print(f"\nwrote {path}")
 
