@@ -5,9 +5,10 @@ reports the peak P), then at budgets of 100%, 50% and 30% of P, and in stress mo
 evictable tensor evicted after every op, so every reuse is a recomputation). Losses,
 gradients after every step, parameters and buffers must be equal in every bit. The
 deterministic cost model keeps eviction decisions, and so feasibility, the same from run
-to run. All five models are feasible at 30% (see README, "What is tested"). (On CUDA the
-LSTM's budgets are fractions of P less cuDNN's dropout states, which no budget can
-evict: see _cudnn_dropout_state_bytes.)
+to run. All five models are feasible at 30% (see README, "What is tested"), on the
+native engine too (dtr.enable(engine="native"), at 30% of its own peak). (On CUDA the
+LSTM's budgets are fractions of P less cuDNN's dropout states, which no budget can evict:
+see _cudnn_dropout_state_bytes.)
 
 Each comparison runs on every device in ``tests.utils.DEVICES``. On CUDA the runs use
 deterministic algorithms and are compared bitwise unless a kernel without a
@@ -117,3 +118,17 @@ def test_python_core_matches_eager_at_30_percent(name, monkeypatch):
         cpp.remats,
         cpp.peak_resident_bytes,
     )
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("name", MODELS)
+def test_native_engine_at_30_percent_matches_eager(name, optimizer):
+    """The native engine (dtr.enable(engine="native")) at 30% of its own unbudgeted peak:
+    losses, gradients after every step, parameters and buffers bitwise as eager."""
+    pytest.importorskip("dtr._C", reason="the native engine is C++")
+    native = {"engine": "native", "cost_model": "roofline"}
+    free, _ = _train(name, optimizer, "cpu", native)
+    budget = int(free.stats.peak_resident_bytes * 0.3)
+    got = _check(name, optimizer, {**native, "budget": budget}, "cpu")
+    assert got.stats.core == "native" and got.stats.peak_resident_bytes <= budget
+    assert got.stats.evictions > 0 and got.stats.remats > 0
