@@ -27,8 +27,8 @@ bool contains(const std::vector<int64_t>& v, int64_t x) {
 }  // namespace
 
 const std::vector<std::string>& heuristic_names() {
-  static const std::vector<std::string> names = {"dtr",  "dtr_eq", "dtr_local", "lru",
-                                                 "size", "msps",   "random",    "msps_sqrt"};
+  static const std::vector<std::string> names = {"dtr",  "dtr_eq", "dtr_local", "lru",     "size",
+                                                 "msps", "random", "msps_sqrt", "dtr_held"};
   return names;
 }
 
@@ -528,8 +528,8 @@ double Core::score(int64_t pid, const PoolRec& p, double bound) {
   if (h_ == kLRU) return stale > 0 ? 1.0 / stale : kInf;
   if (denom <= 0) return kInf;
   double c;
-  if (h_ == kDTR) {
-    c = neighborhood(pid, true, true, p.cost, denom, bound);
+  if (h_ == kDTR || h_ == kDTRHeld) {
+    c = neighborhood(pid, true, true, p.cost, denom, bound, h_ == kDTRHeld);
   } else if (h_ == kDTREq) {
     c = p.cost + eq_neighbors(pid);
   } else {
@@ -583,8 +583,8 @@ const std::vector<int64_t>& Core::root_adjacent(int64_t pid, int direction) {
   return walk_nbrs_;
 }
 
-double Core::neighborhood(int64_t pid, bool up, bool down, double total, double denom,
-                          double bound) {
+double Core::neighborhood(int64_t pid, bool up, bool down, double total, double denom, double bound,
+                          bool held) {
   std::vector<int64_t>& stack = walk_stack_;  // scratch: no allocation per score
   for (int direction = 0; direction < 2; ++direction) {
     if ((direction == 0 && !up) || (direction == 1 && !down)) continue;
@@ -599,9 +599,14 @@ double Core::neighborhood(int64_t pid, bool up, bool down, double total, double 
         visit_[nb] = mark;
         const PoolRec& pn = pools_[nb];
         if (pn.resident) continue;
+        stack.push_back(nb);
+        // dtr_held: below the pool's own children, an evicted descendant the program
+        // no longer holds is walked through (it leads to held ones) but not counted. A
+        // backward pass leaves whole released regions evicted below the early layers;
+        // counted, they make those layers' activations look too dear ever to evict.
+        if (held && direction == 1 && pn.alive == 0 && q != pid) continue;
         total += pn.cost;
         if (total / denom > bound) return total;
-        stack.push_back(nb);
       }
     }
   }

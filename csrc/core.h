@@ -29,6 +29,7 @@ enum Heuristic : int {
   kMSPS = 5,
   kRandom = 6,
   kMSPSSqrt = 7,
+  kDTRHeld = 8,
 };
 
 const std::vector<std::string>& heuristic_names();
@@ -182,7 +183,8 @@ class Core {
   double score(int64_t pid, const PoolRec& p, double bound);
   void pool_parents(int64_t pid, std::vector<int64_t>& out) const;
   void pool_children(int64_t pid, std::vector<int64_t>& out) const;
-  double neighborhood(int64_t pid, bool up, bool down, double total, double denom, double bound);
+  double neighborhood(int64_t pid, bool up, bool down, double total, double denom, double bound,
+                      bool held = false);
   const std::vector<int64_t>& adjacent(int64_t pid, int direction);
   const std::vector<int64_t>& root_adjacent(int64_t pid, int direction);
   void graph_changed() { ++graph_gen_; }

@@ -25,7 +25,17 @@ from __future__ import annotations
 import math
 import time
 
-HEURISTICS = ("dtr", "dtr_eq", "dtr_local", "lru", "size", "msps", "random", "msps_sqrt")
+HEURISTICS = (
+    "dtr",
+    "dtr_eq",
+    "dtr_local",
+    "lru",
+    "size",
+    "msps",
+    "random",
+    "msps_sqrt",
+    "dtr_held",
+)
 
 # Output kinds for record(): a fresh storage, a view of an input, or a new version of a
 # tensor mutated in place (Invariant 4: the old value keeps its lineage).
@@ -588,8 +598,8 @@ class PyCore:
             return 1.0 / stale if stale > 0 else math.inf
         if denom <= 0:
             return math.inf
-        if h == 0:  # dtr: exact evicted neighbourhood
-            c = self._neighborhood(pid, True, True, p.cost, denom, bound)
+        if h == 0 or h == 8:  # dtr: exact evicted neighbourhood; dtr_held: held part
+            c = self._neighborhood(pid, True, True, p.cost, denom, bound, h == 8)
         elif h == 1:  # dtr_eq: union-find classes of evicted neighbours
             c = p.cost + self._eq_neighbors(pid)
         else:  # dtr_local
@@ -623,10 +633,13 @@ class PyCore:
         total: float = 0.0,
         denom: float = 1.0,
         bound: float = math.inf,
+        held: bool = False,
     ) -> float:
         """total + the costs of the evicted pools reachable from pid through evicted
         pools: ancestors (up) and descendants (down), the paper's e*(t). Stops early,
-        returning a partial sum, once total / denom > bound."""
+        returning a partial sum, once total / denom > bound. held (dtr_held): below
+        pid's own children, descendants the program no longer holds are walked through
+        but not counted (the C++ core's Core::neighborhood says why)."""
         for direction in (0, 1):
             if (direction == 0 and not up) or (direction == 1 and not down):
                 continue
@@ -642,10 +655,12 @@ class PyCore:
                     pn = self._P[n]
                     if pn.resident:
                         continue
+                    stack.append(n)
+                    if held and direction == 1 and pn.alive == 0 and q != pid:
+                        continue
                     total += pn.cost
                     if total / denom > bound:
                         return total
-                    stack.append(n)
         return total
 
     def _uf_find(self, x: int) -> int:

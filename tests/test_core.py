@@ -418,3 +418,33 @@ def test_sampled_search_finds_the_one_evictable_pool(Core):
     core.budget = 0
     assert not core.make_room(0)  # only locked pools are left
     core.check()
+
+
+@pytest.mark.parametrize("heuristic, want", [("dtr", "y"), ("dtr_held", "x")])
+def test_dtr_held_skips_released_descendants_below_the_children(Core, heuristic, want):
+    # x -> d1 -> d2 -> e, and y alone; every size 100. d2 is released (dead: it stays
+    # only as e's lineage) and d1 is evicted. Then x or y must go, with equal sizes and
+    # staleness: dtr's e*(x) counts d1 (1) and d2 (6), cost 8 against y's 4; dtr_held
+    # counts x's own evicted child d1 but not the released d2 below it, 2 against 4.
+    core = Core(heuristic, -1)
+    (x,) = core.record([], 1.0, [NEW], [-1], [100])
+    (d1,) = core.record([x], 1.0, [NEW], [-1], [100])
+    (d2,) = core.record([d1], 6.0, [NEW], [-1], [100])
+    (e,) = core.record([d2], 1.0, [NEW], [-1], [100])
+    (y,) = core.record([], 4.0, [NEW], [-1], [100])
+    core.release(d2)
+    core.drain()
+    assert not core.is_materialized(d2)  # freed at once: nothing held reads it now
+    core.budget = 300
+    for t in (x, e, y):
+        core.lock(t)
+    assert core.make_room(0)
+    assert not core.is_materialized(d1)
+    for t in (x, e, y):
+        core.unlock(t)  # x and y: last used at the same moment
+    core.lock(e)
+    (z,) = core.record([], 1.0, [NEW], [-1], [100])
+    core.lock(z)
+    assert core.make_room(0)
+    evicted = [name for name, t in (("x", x), ("y", y)) if not core.is_materialized(t)]
+    assert evicted == [want]
