@@ -146,8 +146,8 @@ def targets(rows: list[dict]) -> list[list]:
     for name in sorted({r["model"] for r in rows}):
         mine = {(r["heuristic"], r["ratio"]): r for r in rows if r["model"] == name}
         free = mine[("none", math.inf)]["slowdown"]
-        half = mine.get(("dtr", 0.5), {}).get("slowdown", math.nan)
-        low = mine.get(("dtr", 0.3), {})
+        half = mine.get((dtr.DEFAULT_HEURISTIC, 0.5), {}).get("slowdown", math.nan)
+        low = mine.get((dtr.DEFAULT_HEURISTIC, 0.3), {})
         out.append(
             [
                 name,

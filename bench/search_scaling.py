@@ -6,7 +6,7 @@ program), then lowers the budget so that the core must evict, and times the evic
 it makes. Per heuristic and N = 1e3 .. 1e6 (C++ core; the Python twin up to 1e4), with
 exact search and with the default sampled search (--sample). Writes
 bench/results/search_scaling.csv. Then, in live training runs of every bench model at 30%
-of its unconstrained peak, the share of the step spent choosing victims
+of its unconstrained peak under the default heuristic, the share of the step spent choosing victims
 (Stats.search_seconds): bench/results/search_live.csv (search_live.native.csv for the
 native engine, --engine native).
 
@@ -25,7 +25,7 @@ import time
 import torch
 
 from dtr._core import core_class
-from dtr._pycore import NEW
+from dtr._pycore import DEFAULT_HEURISTIC, NEW
 from dtr.config import SEARCH_SAMPLE_DEFAULT
 
 from .common import BENCH_SCALE, RESULTS, print_table, timed_steps, write_csv
@@ -108,7 +108,7 @@ def live(args) -> list[list]:
         engine = {"engine": args.engine}
         free = timed_steps(name, scale, 1, 1, engine)
         budget = int(free.stats.peak_resident_bytes * args.ratio)
-        kwargs = {"budget": budget, "heuristic": "dtr", **engine}
+        kwargs = {"budget": budget, "heuristic": DEFAULT_HEURISTIC, **engine}
         run = timed_steps(name, scale, args.steps, 0, kwargs)
         if run.error:
             rows.append([name, args.ratio, run.error, "", "", "", ""])
@@ -134,7 +134,9 @@ def live(args) -> list[list]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", type=int, default=[1000, 10000, 100000, 1000000])
-    parser.add_argument("--heuristics", nargs="+", default=["dtr", "dtr_eq", "lru", "msps"])
+    parser.add_argument(
+        "--heuristics", nargs="+", default=["dtr", "dtr_held", "dtr_eq", "lru", "msps"]
+    )
     parser.add_argument("--python-max", type=int, default=10000, help="largest N for the twin")
     parser.add_argument(
         "--sample", type=int, default=SEARCH_SAMPLE_DEFAULT, help="sampled search size"

@@ -787,7 +787,7 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
     parser.add_argument("--calibrate", type=int, default=2, help="extra tries at a static peak")
-    parser.add_argument("--heuristic", default="dtr", choices=list(dtr.HEURISTICS))
+    parser.add_argument("--heuristic", default=dtr.DEFAULT_HEURISTIC, choices=list(dtr.HEURISTICS))
     parser.add_argument("--cost-model", default="time", choices=["time", "roofline"])
     parser.add_argument(
         "--engine",

@@ -866,6 +866,14 @@ std::vector<int64_t> size_key_of(const c10::FunctionSchema& schema,
 }
 
 // ---------------------------------------------------------------- the fallback
+// A tensor on the stack from a session that has ended (or another engine's): replaced
+// there by a plain tensor on its storage, the value it had when the session ended.
+at::Tensor replace_with_plain(torch::jit::Stack* stack, size_t pos, int64_t item) {
+  at::Tensor plain = plain_view(get_item((*stack)[pos], item));
+  set_item((*stack)[pos], item, plain);
+  return plain;
+}
+
 void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
@@ -887,8 +895,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (foreign)  // after the block, or another session's: plain values
     for (Leaf& l : leaves)
       if (!l.native && as_native(l.tensor)) {
-        l.tensor = plain_view(l.tensor);
-        set_item((*stack)[begin + l.arg], l.item, l.tensor);
+        l.tensor = replace_with_plain(stack, begin + l.arg, l.item);
       }
   wants = wants && at::GradMode::is_enabled();
   const OpFacts& facts = facts_of(op);
@@ -1294,8 +1301,7 @@ void other_layout_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet,
                   " mixes a managed tensor with a non-strided (sparse or nested) one, which dtr "
                   "does not support; dtr.materialize() the managed tensor first")
                      .c_str());
-  for (auto [i, j] : foreign)
-    set_item((*stack)[begin + i], j, plain_view(get_item((*stack)[begin + i], j)));
+  for (auto [i, j] : foreign) replace_with_plain(stack, begin + i, j);
   Engine::call_below(op, stack, at::GradMode::is_enabled());
 }
 

@@ -10,7 +10,7 @@ recomputes it from its lineage when it is needed again, backward included.
     print(session.stats())
 """
 
-from ._pycore import HEURISTICS
+from ._pycore import DEFAULT_HEURISTIC, HEURISTICS
 from .config import DTRConfig
 from .errors import BudgetError, ConfigError, DTRError, InternalError, UnsupportedError
 from .session import Session, enable, materialize
@@ -20,6 +20,7 @@ from .tensor import CheckpointTensor
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_HEURISTIC",
     "HEURISTICS",
     "BudgetError",
     "CheckpointTensor",

@@ -36,6 +36,9 @@ HEURISTICS = (
     "msps_sqrt",
     "dtr_held",
 )
+# What dtr.enable() evicts by when no heuristic is given: the paper's h_DTR with the
+# neighbourhood the program still holds (README "Heuristics" gives the measurements).
+DEFAULT_HEURISTIC = "dtr_held"
 
 # Output kinds for record(): a fresh storage, a view of an input, or a new version of a
 # tensor mutated in place (Invariant 4: the old value keeps its lineage).

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from ._pycore import HEURISTICS
+from ._pycore import DEFAULT_HEURISTIC, HEURISTICS
 from .cost import COST_MODELS
 from .device import total_memory_bytes
 from .errors import ConfigError
@@ -64,7 +64,7 @@ class DTRConfig:
     """
 
     budget_bytes: int | None = None
-    heuristic: str = "dtr"
+    heuristic: str = DEFAULT_HEURISTIC
     stress: bool = False
     seed: int = 0
     min_evict_bytes: int = 0
@@ -193,7 +193,7 @@ def resolve(
     else:
         budget_bytes = parse_budget(budget)
     if heuristic is None:
-        heuristic = env.get(ENV_HEURISTIC, "").strip() or "dtr"
+        heuristic = env.get(ENV_HEURISTIC, "").strip() or DEFAULT_HEURISTIC
         if heuristic not in HEURISTICS:
             raise ConfigError(
                 f"dtr: unknown heuristic {heuristic!r} in {ENV_HEURISTIC}; "

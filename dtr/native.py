@@ -98,14 +98,9 @@ class NativeSession:
     """A context manager: the native engine is on for the thread that enters it."""
 
     def __init__(self, config: _config.DTRConfig, cache=DEFAULT_CACHE):
+        self.config = config  # the settings, as dtr.enable()'s session keeps them
+        # the budget now (set_budget() changes it), in bytes; -1 for none
         self.budget = -1 if config.budget_bytes is None else config.budget_bytes
-        self.heuristic = config.heuristic
-        self.seed = config.seed
-        self.stress = config.stress
-        self.check = config.check
-        self.cost_model = config.cost_model
-        self.trace = config.trace  # an operator trace for dtr.sim, if any
-        self.config = config
         self.cache_bytes = 0 if cache in (0, None) else _config.parse_budget(cache, "cache")
         self.cache_stats: dict | None = None  # the cache's hits and misses, after the block
         self._engine = None
@@ -132,15 +127,16 @@ class NativeSession:
                     "dtr: a native session is already open (one per process, on any "
                     "thread); end it first, or change its budget with session.set_budget()"
                 )
-            engine = _C.NativeEngine(self.heuristic, self.budget, self.seed, self.cost_model)
+            cfg = self.config
+            engine = _C.NativeEngine(cfg.heuristic, self.budget, cfg.seed, cfg.cost_model)
             engine.set_leaf_hook(self._hook_leaf)
-            engine.stress = self.stress
-            engine.check_each_op = self.check
-            engine.search_sample = self.config.search_sample
-            engine.min_evict_bytes = self.config.min_evict_bytes
-            engine.timeline_limit = self.config.timeline
-            if self.trace is not None:
-                engine.start_trace(self._trace_file(), self.cost_model)
+            engine.stress = cfg.stress
+            engine.check_each_op = cfg.check
+            engine.search_sample = cfg.search_sample
+            engine.min_evict_bytes = cfg.min_evict_bytes
+            engine.timeline_limit = cfg.timeline
+            if cfg.trace is not None:
+                engine.start_trace(self._trace_file(), cfg.cost_model)
             engine.activate()
             _open = self
         if self.cache_bytes:
@@ -177,8 +173,9 @@ class NativeSession:
 
                     self.cache_stats = _C.cpu_cache_stats()
                     _C.cpu_cache_detach()
-                if self.trace is not None and self._trace_file() != self.trace:
-                    _compress(self._trace_file(), self.trace)
+                trace = self.config.trace
+                if trace is not None and self._trace_file() != trace:
+                    _compress(self._trace_file(), trace)
 
     @property
     def active(self) -> bool:
@@ -186,7 +183,8 @@ class NativeSession:
 
     def _trace_file(self) -> str:
         """Where the engine writes its trace: the path, or beside it while compressing."""
-        return self.trace + ".part" if self.trace.endswith(".gz") else self.trace
+        trace = self.config.trace
+        return trace + ".part" if trace.endswith(".gz") else trace
 
     def _hook_leaf(self, leaf: torch.Tensor) -> None:
         # Called by the engine once per leaf an op reads under grad mode.
@@ -226,7 +224,7 @@ class NativeSession:
         counters["max_transient_bytes"] = max(self._max_carry, counters["max_transient_bytes"])
         return Stats(
             budget_bytes=None if self.budget < 0 else self.budget,
-            heuristic=self.heuristic,
+            heuristic=self.config.heuristic,
             core="native",
             **counters,
         )

@@ -241,8 +241,9 @@ def enable(budget: object = None, heuristic: str | None = None, **options) -> Se
         budget: bytes (int) or a string with a unit ("512MB", "1.5GiB", "800000B").
             None reads ``DTR_MEMORY_BUDGET``; if that is unset too, dtr tracks every
             tensor and evicts nothing.
-        heuristic: which tensor to evict: "dtr" (default, or ``DTR_HEURISTIC``),
-            "dtr_eq", "dtr_local", "lru", "size", "msps" or "random".
+        heuristic: which tensor to evict, one of ``dtr.HEURISTICS``: "dtr_held" (the
+            default, or ``DTR_HEURISTIC``), "dtr" (the paper's), "dtr_eq", "dtr_local",
+            "lru", "size", "msps", "msps_sqrt" or "random".
         **options: ``stress=True`` evicts every evictable tensor after every op (a
             testing mode that makes every reuse a recomputation); ``seed`` for the
             random heuristic; ``min_evict_bytes`` never evicts smaller pools;

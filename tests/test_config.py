@@ -71,7 +71,7 @@ def test_env_budget_and_heuristic(monkeypatch):
 
 def test_no_budget_anywhere_means_track_only():
     cfg = dtr.enable().config
-    assert cfg.budget_bytes is None and cfg.heuristic == "dtr"
+    assert cfg.budget_bytes is None and cfg.heuristic == "dtr_held" == dtr.DEFAULT_HEURISTIC
 
 
 @pytest.mark.parametrize(

@@ -134,7 +134,7 @@ def test_unknown_env_heuristic_names_variable_value_and_all_heuristics(monkeypat
 @pytest.mark.parametrize("value", ["", " dtr", "DTR", 3, None])
 def test_unknown_heuristic_argument_lists_all_heuristics(monkeypatch, value):
     if value is None:  # None reads the environment, which is unset here: the default
-        assert dtr.enable(heuristic=None).config.heuristic == "dtr"
+        assert dtr.enable(heuristic=None).config.heuristic == "dtr_held"
         return
     with pytest.raises(dtr.ConfigError) as info:
         dtr.enable(heuristic=value)

@@ -344,7 +344,7 @@ def test_stress_from_the_environment(kind, monkeypatch):
     expect = _train(*_model(kind))
     with native.enable() as session:
         got = _train(*_model(kind))
-    assert session.stress and session.stats().remats > 0
+    assert session.config.stress and session.stats().remats > 0
     assert got[0] == expect[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
 
@@ -510,11 +510,14 @@ def test_a_native_run_and_its_trace_replayed_evict_alike(name, tmp_path):
         start = json.loads(f.readline())
     assert start["DTR"] == "1" and start["BUDGET"] == str(budget)
     assert start["COST_MODEL"] == "roofline"
+    assert start["HEURISTIC"] == dtr.DEFAULT_HEURISTIC
     prog = sim.load(path)
     assert prog.mode == P.LIVE
     assert any(ins[0] == "RESERVE" for ins in P.disassemble(prog))  # room made before ops
     for engine in ("c++", "python"):
-        res = sim.simulate(prog, "dtr", budget=budget, engine=engine, log=True, thrash=0)
+        res = sim.simulate(
+            prog, start["HEURISTIC"], budget=budget, engine=engine, log=True, thrash=0
+        )
         assert res.status == "ok"
         assert res.eviction_log == live_log
         assert (res.evictions, res.remats) == (stats.evictions, stats.remats)
@@ -538,7 +541,7 @@ def test_sampled_search_and_min_evict_bytes_are_in_the_trace(tmp_path):
         start = json.loads(f.readline())
     assert (start["SEARCH_SAMPLE"], start["MIN_EVICT_BYTES"]) == ("8", "2048")
     assert session.stats().evictions == len(live_log) > 0
-    res = sim.simulate(sim.load(path), "dtr", budget=budget, log=True, thrash=0)
+    res = sim.simulate(sim.load(path), None, budget=budget, log=True, thrash=0)
     assert res.status == "ok" and res.eviction_log == live_log
     with native.enable(budget=budget, cost_model="roofline") as exact:
         exact._engine.log_evictions(True)
@@ -579,7 +582,7 @@ def test_set_budget_takes_effect_at_the_next_op_and_is_in_the_trace(change, tmp_
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), expect[1], strict=True))
     prog = sim.load(path)
     assert sum(ins[0] == "BUDGET" for ins in P.disassemble(prog)) == 1
-    res = sim.simulate(prog, "dtr", budget=first, log=True, thrash=0)
+    res = sim.simulate(prog, None, budget=first, log=True, thrash=0)
     assert res.eviction_log == live_log and res.evictions == stats.evictions
     if change is not None:
         assert stats.evictions > 0 and stats.remats > 0
@@ -592,7 +595,7 @@ def test_trace_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("DTR_TRACE", str(path))
     with native.enable() as session:
         _train(*_model("mlp"), steps=1)
-    assert session.trace == str(path)
+    assert session.config.trace == str(path)
     with open(path) as f:
         lines = [json.loads(line) for line in f]
     assert lines[0]["ANNOTATION"] == "START" and lines[-1]["ANNOTATION"] == "END"
@@ -604,7 +607,7 @@ def test_bad_cost_model_is_a_config_error(monkeypatch):
     with pytest.raises(dtr.ConfigError, match="dtr: unknown cost_model 'flops'"):
         native.enable(cost_model="flops")
     monkeypatch.setenv("DTR_COST_MODEL", "roofline")
-    assert native.enable().cost_model == "roofline"
+    assert native.enable().config.cost_model == "roofline"
 
 
 def _chain(x, w, n: int = 8):

@@ -207,14 +207,15 @@ def test_live_run_and_its_replay_evict_alike(name, tmp_path, logged, core):
     path = str(tmp_path / f"{name}.jsonl.gz")
     live = train(name, dtr_kwargs={"budget": budget, "cost_model": "roofline", "trace": path})
     with gzip.open(path, "rt") as f:
-        assert json.loads(f.readline())["DTR"] == "1"
+        start = json.loads(f.readline())
+    assert start["DTR"] == "1" and start["HEURISTIC"] == dtr.DEFAULT_HEURISTIC
     live_log = logged[-1].eviction_log()
     assert live.stats.evictions == len(live_log) > 0
     prog = sim.load(path)
     assert prog.mode == P.LIVE
     assert any(ins[0] == "RESERVE" for ins in P.disassemble(prog))  # room made before ops
     for engine in ENGINES:
-        res = sim.simulate(prog, "dtr", budget=budget, engine=engine, log=True, thrash=0)
+        res = sim.simulate(prog, None, budget=budget, engine=engine, log=True, thrash=0)
         assert res.status == "ok"
         assert res.budget_bytes == budget  # not the lifted budget of the block's end
         assert res.eviction_log == live_log
@@ -237,9 +238,9 @@ def test_sampled_victim_search_live_and_replayed_alike(tmp_path, logged, core):
     prog = sim.load(path)
     assert prog.meta["SEARCH_SAMPLE"] == "4"
     for engine in ENGINES:
-        res = sim.simulate(prog, "dtr", budget=budget, engine=engine, log=True, thrash=0)
+        res = sim.simulate(prog, None, budget=budget, engine=engine, log=True, thrash=0)
         assert res.eviction_log == live_log
-    res = sim.simulate(prog, "dtr", budget=budget, log=True, thrash=0, sample=0)
+    res = sim.simulate(prog, None, budget=budget, log=True, thrash=0, sample=0)
     assert res.eviction_log == exact_log
 
 
@@ -248,19 +249,20 @@ def test_sampled_victim_search_live_and_replayed_alike(tmp_path, logged, core):
 )
 def test_recorded_settings_replay_as_live(setting, tmp_path, logged, core):
     # The random heuristic's seed and min_evict_bytes change decisions: the trace carries
-    # them, and a replay told nothing else uses them.
+    # them (and the heuristic), and a replay told nothing else uses them.
     budget = int(_peak("transformer") * 0.5)
     kwargs = {"budget": budget, "cost_model": "roofline"}
-    train("transformer", dtr_kwargs={**kwargs, "heuristic": setting.get("heuristic", "dtr")})
+    heuristic = setting.get("heuristic", dtr.DEFAULT_HEURISTIC)
+    train("transformer", dtr_kwargs={**kwargs, "heuristic": heuristic})
     plain_log = logged[-1].eviction_log()
     path = str(tmp_path / "set.jsonl")
     live = train("transformer", dtr_kwargs={**kwargs, **setting, "trace": path})
     live_log = logged[-1].eviction_log()
     assert live_log != plain_log and live.stats.evictions > 0
     prog = sim.load(path)
-    heuristic = setting.get("heuristic", "dtr")
+    assert sim.recorded_heuristic(prog) == heuristic
     for engine in ENGINES:
-        res = sim.simulate(prog, heuristic, budget=budget, engine=engine, log=True, thrash=0)
+        res = sim.simulate(prog, budget=budget, engine=engine, log=True, thrash=0)
         assert res.eviction_log == live_log
 
 
@@ -290,11 +292,11 @@ def test_budget_changed_mid_run_replays_as_live(change, tmp_path, logged, core):
     prog = sim.load(path)
     assert sum(ins[0] == "BUDGET" for ins in P.disassemble(prog)) == 1
     for engine in ENGINES:
-        res = sim.simulate(prog, "dtr", budget=first, engine=engine, log=True, thrash=0)
+        res = sim.simulate(prog, None, budget=first, engine=engine, log=True, thrash=0)
         assert res.eviction_log == live_log
         assert (res.evictions, res.remats) == (stats.evictions, stats.remats)
         assert res.budget_bytes == first
-    fixed = sim.simulate(prog, "dtr", budget=first + 1, log=True, thrash=0)
+    fixed = sim.simulate(prog, None, budget=first + 1, log=True, thrash=0)
     assert fixed.eviction_log != live_log  # a what-if at another budget keeps its own
 
 

@@ -14,13 +14,14 @@ import os
 import time
 
 from .._core import core_class
-from .._pycore import HEURISTICS, PyCore
+from .._pycore import DEFAULT_HEURISTIC, HEURISTICS, PyCore
 from ..errors import ConfigError
 from . import program
 from .driver import Result, replay
 from .parse import TraceError, load
 
 __all__ = [
+    "DEFAULT_HEURISTIC",
     "HEURISTICS",
     "PROTOTYPE_DIR",
     "SWEEP_RATIOS",
@@ -28,6 +29,7 @@ __all__ = [
     "TraceError",
     "load",
     "peak",
+    "recorded_heuristic",
     "simulate",
     "sweep",
 ]
@@ -73,7 +75,7 @@ def peak(prog: program.Program, engine: str = "c++") -> int:
 
 def simulate(
     prog: program.Program,
-    heuristic: str = "dtr",
+    heuristic: str | None = None,
     budget: int | None = None,
     ratio: float | None = None,
     stress: bool = False,
@@ -84,8 +86,9 @@ def simulate(
     sample: int | None = None,
     min_evict_bytes: int | None = None,
 ) -> Result:
-    """Replay prog under heuristic with a budget in bytes, or ratio x the unconstrained
-    peak (budget=-1 or neither: unlimited). engine: "c++" (the compiled replay loop
+    """Replay prog under heuristic (None: the one the live run recorded, or
+    dtr.DEFAULT_HEURISTIC for the prototype's traces) with a budget in bytes, or ratio x
+    the unconstrained peak (budget=-1 or neither: unlimited). engine: "c++" (the compiled replay loop
     driving the C++ core), "python" (the Python driver on the pure-Python core) or
     "python+c++core" (the Python driver on the C++ core). sample: the runtime's
     search_sample option (the best of `sample` random candidates when more are
@@ -93,6 +96,8 @@ def simulate(
     (exact, as the paper's simulator) for the prototype's traces. seed (the random
     heuristic's) and min_evict_bytes (pools smaller are never victims): None takes the
     trace's, or 0."""
+    if heuristic is None:
+        heuristic = recorded_heuristic(prog)
     if sample is None:
         sample = _recorded(prog, "SEARCH_SAMPLE")
     if seed is None:
@@ -120,6 +125,12 @@ def simulate(
     if engine == "c++" and hasattr(type(core), "replay"):
         return _cpp_replay(prog, core, stress, thrash, log)
     return replay(prog, core, stress, thrash, log)
+
+
+def recorded_heuristic(prog: program.Program) -> str:
+    """The heuristic the live run that wrote prog evicted by (dtr.DEFAULT_HEURISTIC for
+    the prototype's traces, which do not say)."""
+    return prog.meta.get("HEURISTIC", DEFAULT_HEURISTIC)
 
 
 def _recorded(prog: program.Program, name: str) -> int:

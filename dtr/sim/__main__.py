@@ -16,7 +16,16 @@ import sys
 
 from ..config import parse_budget
 from ..errors import DTRError
-from . import HEURISTICS, PROTOTYPE_DIR, SWEEP_RATIOS, load, program, simulate
+from . import (
+    DEFAULT_HEURISTIC,
+    HEURISTICS,
+    PROTOTYPE_DIR,
+    SWEEP_RATIOS,
+    load,
+    program,
+    recorded_heuristic,
+    simulate,
+)
 
 
 def find_trace(name: str, traces: str) -> str:
@@ -45,7 +54,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtr.sim", description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", help="trace file, or the start of a name in --traces")
     parser.add_argument("--traces", default=PROTOTYPE_DIR, help="folder of named traces")
-    parser.add_argument("--heuristic", default="dtr", choices=HEURISTICS)
+    parser.add_argument(
+        "--heuristic",
+        default=None,
+        choices=HEURISTICS,
+        help="default: the one the trace was recorded with, else " + DEFAULT_HEURISTIC,
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--budget-ratio",
@@ -94,14 +108,15 @@ def main(argv=None) -> int:
                     res = simulate(prog, heuristic, ratio=ratio, **common)
                     print(json.dumps(_row(path, heuristic, ratio, res)), flush=True)
             return 0
+        heuristic = args.heuristic or recorded_heuristic(prog)
         if args.budget is not None:
             budget = parse_budget(args.budget, "--budget")
-            res = simulate(prog, args.heuristic, budget=budget, **common)
+            res = simulate(prog, heuristic, budget=budget, **common)
             ratio = None
         else:
             ratio = 1.0 if args.budget_ratio is None else args.budget_ratio
-            res = simulate(prog, args.heuristic, ratio=ratio, **common)
-        print(json.dumps(_row(path, args.heuristic, ratio, res)))
+            res = simulate(prog, heuristic, ratio=ratio, **common)
+        print(json.dumps(_row(path, heuristic, ratio, res)))
         return 0
     except DTRError as exc:
         print(str(exc), file=sys.stderr)
