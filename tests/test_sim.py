@@ -449,11 +449,25 @@ def test_cli_result_line(tmp_path):
         assert key in result
     assert result["status"] == "ok" and result["feasible"] is True
     out = _cli(path, "--budget", "1KiB")
-    assert json.loads(out.stdout.splitlines()[-1])["budget_bytes"] == 1024
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["budget_bytes"] == 1024
+    assert result["heuristic"] == dtr.DEFAULT_HEURISTIC  # a trace that names none
     out = _cli(path, "--sweep")
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(rows) == len(dtr.HEURISTICS) * 20
     assert {r["budget_ratio"] for r in rows} == {round(1 - 0.05 * i, 2) for i in range(20)}
+
+
+def test_cli_replays_a_live_trace_under_its_own_heuristic(tmp_path):
+    path = str(tmp_path / "lru.jsonl")
+    with dtr.enable(heuristic="lru", trace=path, cost_model="roofline"):
+        x = torch.randn(64, 64, requires_grad=True)
+        (x.relu() * 2).sum().backward()
+    out = _cli(path, "--budget-ratio", "0.5")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1])["heuristic"] == "lru"
+    out = _cli(path, "--budget-ratio", "0.5", "--heuristic", "size")
+    assert json.loads(out.stdout.splitlines()[-1])["heuristic"] == "size"
 
 
 def test_cli_errors(tmp_path):
