@@ -187,6 +187,11 @@ def test_room_is_made_before_an_op_that_was_seen(name, core, monkeypatch):
     later = [s.max_transient_bytes for s in steps()[1:]]
     assert max(later) <= budget * 1.05, (later, budget)
     monkeypatch.setattr(dtr.reserve.OutputSizes, "predict", lambda self, func, leaves: ((func,), 0))
-    without = [s.max_transient_bytes for s in steps()[1:]]
+    try:
+        without = [s.max_transient_bytes for s in steps()[1:]]
+    except dtr.BudgetError:
+        # Without the reservation the budget may not be feasible at all (the MLP under
+        # dtr_held: the outputs made before the boundary leave a recomputation no room).
+        return
     if name == "lstm":
         assert max(without) > budget * 1.5, (without, budget)
