@@ -1305,10 +1305,77 @@ void other_layout_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet,
   Engine::call_below(op, stack, at::GradMode::is_enabled());
 }
 
+// Composite ops whose PyTorch kernel reads a tensor argument's memory in C++ (through
+// data_ptr or item) before any op of theirs reaches the engine: tensor_split's indices,
+// ctc_loss's lengths. Those arguments, by position, are replaced by a plain copy of their
+// value, recomputed if evicted; the composite kernel then runs as it would have.
+const std::unordered_map<std::string, std::vector<size_t>>& value_args() {
+  static const std::unordered_map<std::string, std::vector<size_t>> table = {
+      {"aten::tensor_split.tensor_indices_or_sections", {1}},
+      {"aten::ctc_loss.Tensor", {2, 3}},
+  };
+  return table;
+}
+
+// A managed tensor's value as a plain tensor of its own (the program reads it, as the trace's
+// READ: locked, recomputed if evicted, unlocked; nothing pinned).
+at::Tensor value_copy(const at::Tensor& t) {
+  NativeImpl* impl = as_native(t);
+  if (impl == nullptr) return t;
+  // the copy is a plain tensor: made below the session's key (recomputation is not)
+  auto plain_copy = [&] {
+    c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::PrivateUse1);
+    return plain_view(t).clone();
+  };
+  std::shared_ptr<Engine> eng = impl->eng_;
+  if (!eng || !eng->open) return plain_copy();  // after the block: its last value
+  std::lock_guard<std::recursive_mutex> g(eng->mu);
+  eng->flush();
+  const int64_t tid = impl->tid();
+  if (eng->trace) eng->trace->read(tid);
+  eng->core.lock(tid);
+  at::Tensor copy;
+  try {
+    if (!eng->core.is_materialized(tid)) eng->rematerialize(tid);
+    copy = plain_copy();
+  } catch (...) {
+    eng->core.unlock(tid);
+    eng->drain();
+    throw;
+  }
+  eng->core.unlock(tid);
+  eng->drain();
+  return copy;
+}
+
+void read_values_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                       torch::jit::Stack* stack) {
+  const c10::FunctionSchema& schema = op.schema();
+  const size_t begin = stack->size() - schema.arguments().size();
+  const std::string name =
+      schema.operator_name().overload_name.empty()
+          ? schema.operator_name().name
+          : schema.operator_name().name + "." + schema.operator_name().overload_name;
+  auto it = value_args().find(name);
+  if (it != value_args().end()) {
+    try {
+      for (size_t i : it->second) {
+        c10::IValue& iv = (*stack)[begin + i];
+        if (iv.isTensor() && as_native(iv.toTensor())) iv = value_copy(iv.toTensor());
+      }
+    } catch (const BudgetExceeded& b) {
+      raise_python("BudgetError", b.what());
+    }
+  }
+  // below autograd: the composite kernel, whose own ops record their gradients
+  op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+}
+
 // The registrations live as long as the process (never deregistered at exit, when
 // the dispatcher may already be gone).
 torch::Library* g_fallback_lib = nullptr;
 torch::Library* g_routed_lib = nullptr;
+torch::Library* g_value_args_lib = nullptr;
 std::vector<torch::Library*> g_other_libs;
 constexpr c10::DispatchKey kOtherLayoutKeys[] = {
     c10::DispatchKey::SparsePrivateUse1, c10::DispatchKey::SparseCsrPrivateUse1,
@@ -1338,6 +1405,12 @@ void install(const std::vector<std::string>& routed_ops,
                                     __FILE__, __LINE__);
   for (const auto& name : routed_ops)
     g_routed_lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  g_value_args_lib = new torch::Library(
+      torch::Library::IMPL, "aten",
+      std::optional<c10::DispatchKey>(c10::DispatchKey::AutogradPrivateUse1), __FILE__, __LINE__);
+  for (const auto& [name, args] : value_args())
+    g_value_args_lib->impl(name.substr(6).c_str(),  // without "aten::"
+                           torch::CppFunction::makeFromBoxedFunction<&read_values_first>());
   // and at the other layouts' keys (a sparse tensor's is_coalesced would get the composite
   // kernel, which refuses every layout, rather than the sparse one below)
   for (c10::DispatchKey key : kOtherLayoutKeys) {

@@ -89,6 +89,7 @@ class Trace {
   }
   void release(int64_t tid) { line("{\"INSTRUCTION\":\"RELEASE\",\"NAME\":" + label(tid) + "}"); }
   void exported(int64_t tid) { line("{\"INSTRUCTION\":\"EXPORT\",\"NAME\":" + label(tid) + "}"); }
+  void read(int64_t tid) { line("{\"INSTRUCTION\":\"READ\",\"NAME\":" + label(tid) + "}"); }
   void close() {
     if (f_ == nullptr) return;
     line("{\"INSTRUCTION\":\"ANNOTATE\",\"ANNOTATION\":\"END\"}");
