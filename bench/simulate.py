@@ -214,7 +214,7 @@ def scan_holes(traces, engine: str) -> None:
     """Feasibility holes on a fine grid: budgets that fail while a smaller one succeeds
     (reported for DTR in 2026)."""
     fine = tuple(round(1.0 - 0.01 * i, 2) for i in range(96))
-    heuristics = ["dtr", "dtr_eq", "msps"]
+    heuristics = ["dtr", "dtr_held", "dtr_eq", "msps"]
     rows = sweep(traces, heuristics, fine, engine)
     table = []
     for label, _ in traces:
@@ -262,7 +262,7 @@ def main(argv=None) -> None:
         "--holes",
         action="store_true",
         help="instead: scan ratios 1.00 .. 0.05 in steps of 0.01 for "
-        "feasibility holes (dtr, dtr_eq, msps; bench/results/holes.csv)",
+        "feasibility holes (dtr, dtr_held, dtr_eq, msps; bench/results/holes.csv)",
     )
     args = parser.parse_args(argv)
     if args.holes:
