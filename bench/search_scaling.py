@@ -6,9 +6,9 @@ program), then lowers the budget so that the core must evict, and times the evic
 it makes. Per heuristic and N = 1e3 .. 1e6 (C++ core; the Python twin up to 1e4), with
 exact search and with the default sampled search (--sample). Writes
 bench/results/search_scaling.csv. Then, in live training runs of every bench model at 30%
-of its unconstrained peak under the default heuristic, the share of the step spent choosing victims
-(Stats.search_seconds): bench/results/search_live.csv (search_live.native.csv for the
-native engine, --engine native).
+of its unconstrained peak under the default heuristic, the share of the step spent
+choosing victims (Stats.search_seconds): bench/results/search_live.csv
+(search_live.native.csv for the native engine, --engine native).
 
     python -m bench.search_scaling                 # a few minutes
     python -m bench.search_scaling --sizes 1000 10000

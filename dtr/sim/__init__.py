@@ -88,14 +88,14 @@ def simulate(
 ) -> Result:
     """Replay prog under heuristic (None: the one the live run recorded, or
     dtr.DEFAULT_HEURISTIC for the prototype's traces) with a budget in bytes, or ratio x
-    the unconstrained peak (budget=-1 or neither: unlimited). engine: "c++" (the compiled replay loop
-    driving the C++ core), "python" (the Python driver on the pure-Python core) or
-    "python+c++core" (the Python driver on the C++ core). sample: the runtime's
-    search_sample option (the best of `sample` random candidates when more are
-    evictable; 0: exact search); None takes the value the trace was recorded with, or 0
-    (exact, as the paper's simulator) for the prototype's traces. seed (the random
-    heuristic's) and min_evict_bytes (pools smaller are never victims): None takes the
-    trace's, or 0."""
+    the unconstrained peak (budget=-1 or neither: unlimited). engine: "c++" (the
+    compiled replay loop driving the C++ core), "python" (the Python driver on the
+    pure-Python core) or "python+c++core" (the Python driver on the C++ core). sample:
+    the runtime's search_sample option (the best of `sample` random candidates when
+    more are evictable; 0: exact search); None takes the value the trace was recorded
+    with, or 0 (exact, as the paper's simulator) for the prototype's traces. seed (the
+    random heuristic's) and min_evict_bytes (pools smaller are never victims): None
+    takes the trace's, or 0."""
     if heuristic is None:
         heuristic = recorded_heuristic(prog)
     if sample is None:
