@@ -18,6 +18,10 @@ intra-op thread count (``--threads``, default 1, set once for every method):
   running, all of which the measure below sees, so its measured peak is above its
   budget.) "dtr at a static point's memory" is then dtr's fastest run whose measured
   peak is at or below that point's (within 0.5%), whichever budget produced it.
+- **confirm**: each static point and that dtr run are timed again ``--confirm`` times
+  each (default 3), alternately, and the ratio of the two medians decides the 1.1x
+  target: one run against another measured minutes apart would take the machine's
+  drift for a difference (the "again" column of the targets table).
 
 Step time is the median of ``--steps`` steps after ``--warmup`` steps, in CPU time of
 the process (``time.process_time``; wall time is in the CSV too). With one intra-op
@@ -479,8 +483,11 @@ def compare(
     verbose: bool = True,
     device: str = "cpu",
     engine: str = "dtr",
+    confirm: int = 0,
 ) -> list[dict]:
-    """Every method on one model; one dict per run (see the module's docstring)."""
+    """Every method on one model; one dict per run (see the module's docstring). With
+    confirm > 0, each static point and dtr's fastest run under its peak are then timed
+    again `confirm` times each, alternately (stored in the static row as "confirm")."""
     spec = MODELS[name]
     dtr_options = dict(dtr_options or {})
     log = _log if verbose else (lambda row: None)
@@ -509,10 +516,16 @@ def compare(
     rows.append(_row(name, "eager", "", eager))
     log(rows[-1])
 
+    # how to run each static method again (confirm): its loss maker and context
+    again: dict[str, tuple[Callable, Callable]] = {}
     for mode in ("sqrt", "block"):
         res = run(lambda model, mode=mode: static_loss(name, model, mode))
         rows.append(_row(name, "checkpoint", _static_setting(name, mode), res, eager_s))
         log(rows[-1])
+        again[f"checkpoint {rows[-1]['setting']}"] = (
+            lambda model, mode=mode: static_loss(name, model, mode),
+            contextlib.nullcontext,
+        )
 
     for b in compile_budgets:
         setting = f"budget {b:g}"
@@ -543,6 +556,10 @@ def compare(
             note += "; " + PARTIAL_COMPILE[name]
         rows.append(_row(name, "compile", setting, res, eager_s, note=note))
         log(rows[-1])
+        again[f"compile {setting}"] = (
+            lambda model: torch.compile(plain(model), backend=backend),
+            lambda b=b: torch._functorch.config.patch(activation_memory_budget=b),
+        )
     torch._dynamo.reset()
 
     def run_dtr(budget, setting, at=None):
@@ -582,10 +599,63 @@ def compare(
                 break
             run_dtr(budget, f"@ {label} (try {attempt + 2})", label)
 
+    if confirm > 0:
+        _confirm(rows, confirm, again, plain, run, dtr_options, log)
+
     # eager once more: how far the machine's speed drifted while the others ran
     rows.append(_row(name, "eager", "again, after the others", run(plain), eager_s))
     log(rows[-1])
     return rows
+
+
+def _fastest_dtr_under(rows: list[dict], static: dict) -> dict | None:
+    """dtr's fastest run of this model whose peak is at or below the static point's."""
+    at = [
+        d
+        for d in rows
+        if d["model"] == static["model"]
+        and d["method"] == "dtr"
+        and d["status"] == "ok"
+        and fits(d["peak"], static["peak"])
+    ]
+    return min(at, key=lambda d: d["step_s"]) if at else None
+
+
+def _confirm(rows, repeats, again, plain, run, dtr_options, log) -> None:
+    """Time each static point and dtr's fastest run under its peak again, `repeats` times
+    each, alternately (static, dtr, static, dtr, ...): the two medians are minutes apart
+    at most, not a whole model's runs, so the machine's drift weighs on both alike."""
+    for static in [r for r in rows if r["method"] in STATIC and r["status"] == "ok"]:
+        best = _fastest_dtr_under(rows, static)
+        if best is None:
+            continue
+        make_loss, context = again[f"{static['method']} {static['setting']}"]
+        kwargs = dict(dtr_options)
+        if best["budget"] is not None:
+            kwargs["budget"] = int(best["budget"])
+        times: dict[str, list[float]] = {"static": [], "dtr": []}
+        for _ in range(repeats):
+            torch._dynamo.reset()
+            res = run(make_loss, context=context())
+            dtr_res = run(plain, dtr_kwargs=kwargs)
+            if res["status"] != "ok" or dtr_res["status"] != "ok":
+                break
+            times["static"].append(res["step_s"])
+            times["dtr"].append(dtr_res["step_s"])
+        else:
+            static["confirm"] = dict(
+                dtr_setting=best["setting"],
+                static_s=statistics.median(times["static"]),
+                dtr_s=statistics.median(times["dtr"]),
+                repeats=repeats,
+            )
+            c = static["confirm"]
+            print(
+                f"  confirm {static['method']} {static['setting']} against dtr "
+                f"{best['setting']}: medians of {repeats}, {c['static_s'] * 1e3:.1f} against "
+                f"{c['dtr_s'] * 1e3:.1f} ms/step ({c['dtr_s'] / c['static_s']:.3f}x)",
+                flush=True,
+            )
 
 
 def fits(peak: int, target: int) -> bool:
@@ -634,9 +704,10 @@ def targets(rows: list[dict]) -> tuple[list[dict], list[dict]]:
         dtrs = [r for r in mine if r["method"] == "dtr"]
         statics = [r for r in mine if r["method"] in STATIC]
         for s in statics:
-            at = [d for d in dtrs if fits(d["peak"], s["peak"])]
-            best = min(at, key=lambda d: d["step_s"]) if at else None
+            best = _fastest_dtr_under(mine, s)
             rel = best["step_s"] / s["step_s"] if best else math.nan
+            conf = s.get("confirm")
+            confirmed = conf["dtr_s"] / conf["static_s"] if conf else math.nan
             points.append(
                 dict(
                     model=name,
@@ -647,7 +718,9 @@ def targets(rows: list[dict]) -> tuple[list[dict], list[dict]]:
                     dtr_ratio=best["ratio"] if best else math.nan,
                     dtr_setting=best["setting"] if best else "none fits",
                     dtr_over_static=rel,
-                    met=bool(best) and rel <= TARGET,
+                    confirmed=confirmed,
+                    # the alternating re-runs decide when there are any
+                    met=bool(best) and (confirmed if conf else rel) <= TARGET,
                 )
             )
         low_static = min(statics, key=lambda r: r["peak"]) if statics else None
@@ -724,6 +797,7 @@ TARGET_HEADER = [
     "dtr peak MiB",
     "dtr x eager",
     "dtr / static",
+    "again, medians",
     f"<= {TARGET}",
 ]
 LOW_HEADER = [
@@ -750,6 +824,7 @@ def target_tables(rows: list[dict]) -> tuple[list[list], list[list]]:
             "-" if p["dtr_peak"] is None else mib(p["dtr_peak"]),
             _fmt(p["dtr_ratio"]),
             _fmt(p["dtr_over_static"]),
+            _fmt(p["confirmed"]),
             "yes" if p["met"] else "no",
         ]
         for p in points
@@ -787,6 +862,13 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
     parser.add_argument("--calibrate", type=int, default=2, help="extra tries at a static peak")
+    parser.add_argument(
+        "--confirm",
+        type=int,
+        default=None,
+        help="time each static point and dtr's fastest run under its peak again, this many "
+        "times each, alternately; the medians decide the target (default 3; 0 with --quick)",
+    )
     parser.add_argument("--heuristic", default=dtr.DEFAULT_HEURISTIC, choices=list(dtr.HEURISTICS))
     parser.add_argument("--cost-model", default="time", choices=["time", "roofline"])
     parser.add_argument(
@@ -820,6 +902,8 @@ def main(argv=None) -> None:
         args.out = os.path.join(folder, stem + ".csv")
     if args.compile_budgets is None:
         args.compile_budgets = [] if args.quick else list(COMPILE_BUDGETS)
+    if args.confirm is None:
+        args.confirm = 0 if args.quick else 3
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     rows: list[dict] = []
@@ -839,6 +923,7 @@ def main(argv=None) -> None:
             args.optimizer,
             device=args.device,
             engine=args.engine,
+            confirm=args.confirm,
         )
     print()
     print_table(HEADER[:-1], [r[:-1] for r in table(rows)])

@@ -152,6 +152,28 @@ def test_the_comparison_end_to_end(tmp_path, capsys):
     assert "Lowest memory reached" in capsys.readouterr().out
 
 
+def test_confirm_times_each_static_point_and_its_dtr_run_again():
+    rows = vs_static.compare(
+        "cnn", 1, steps=1, warmup=0, compile_budgets=(), ratios=(0.6,), calibrate=1,
+        confirm=2, verbose=False,
+    )  # fmt: skip
+    statics = [r for r in rows if r["method"] == "checkpoint"]
+    points, _ = vs_static.targets(rows)
+    confirmed = 0
+    for s, p in zip(statics, points):
+        best = vs_static._fastest_dtr_under(rows, s)
+        if best is None:
+            assert "confirm" not in s and not p["met"]
+            continue
+        c = s["confirm"]
+        assert c["repeats"] == 2 and c["dtr_setting"] == best["setting"]
+        assert c["static_s"] > 0 and c["dtr_s"] > 0
+        assert p["confirmed"] == c["dtr_s"] / c["static_s"]
+        assert p["met"] == (p["confirmed"] <= vs_static.TARGET)
+        confirmed += 1
+    assert confirmed > 0
+
+
 def test_uncompilable_model_is_a_row():
     rows = vs_static.compare(
         "tree", 1, steps=1, warmup=0, compile_budgets=(1.0,), ratios=(0.01,), verbose=False
