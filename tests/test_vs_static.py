@@ -161,7 +161,7 @@ def test_confirm_times_each_static_point_and_its_dtr_run_again():
     points, _ = vs_static.targets(rows)
     confirmed = 0
     for s, p in zip(statics, points):
-        best = vs_static._fastest_dtr_under(rows, s)
+        best = vs_static._dtr_at(rows, s)
         if best is None:
             assert "confirm" not in s and not p["met"]
             continue
