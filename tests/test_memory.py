@@ -191,7 +191,9 @@ def test_room_is_made_before_an_op_that_was_seen(name, core, monkeypatch):
         without = [s.max_transient_bytes for s in steps()[1:]]
     except dtr.BudgetError:
         # Without the reservation the budget may not be feasible at all (the MLP under
-        # dtr_held: the outputs made before the boundary leave a recomputation no room).
+        # dtr_held: the outputs made before the boundary leave a recomputation no room);
+        # the LSTM must still run, and overshoot (below).
+        assert name != "lstm"
         return
     if name == "lstm":
         assert max(without) > budget * 1.5, (without, budget)
