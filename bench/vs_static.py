@@ -518,16 +518,14 @@ def compare(
     rows.append(_row(name, "eager", "", eager))
     log(rows[-1])
 
-    # how to run each static method again (confirm): its loss maker and context
+    # each static method's loss maker and context, kept to run it again (confirm)
     again: dict[str, tuple[Callable, Callable]] = {}
     for mode in ("sqrt", "block"):
-        res = run(lambda model, mode=mode: static_loss(name, model, mode))
+        make_loss = functools.partial(static_loss, name, mode=mode)
+        res = run(make_loss)
         rows.append(_row(name, "checkpoint", _static_setting(name, mode), res, eager_s))
         log(rows[-1])
-        again[f"checkpoint {rows[-1]['setting']}"] = (
-            lambda model, mode=mode: static_loss(name, model, mode),
-            contextlib.nullcontext,
-        )
+        again[f"checkpoint {rows[-1]['setting']}"] = (make_loss, contextlib.nullcontext)
 
     for b in compile_budgets:
         setting = f"budget {b:g}"
@@ -547,10 +545,14 @@ def compare(
         torch._dynamo.reset()
         counters = torch._dynamo.utils.counters
         counters.clear()
-        res = run(
-            lambda model: torch.compile(plain(model), backend=backend),
-            context=torch._functorch.config.patch(activation_memory_budget=b),
-        )
+
+        def compiled(model):
+            return torch.compile(plain(model), backend=backend)
+
+        def budgeted(b=b):
+            return torch._functorch.config.patch(activation_memory_budget=b)
+
+        res = run(compiled, context=budgeted())
         graphs = counters["stats"]["unique_graphs"]
         breaks = sum(counters["graph_break"].values())
         note = f"{graphs} graph(s), {breaks} break(s); compile+first step {res['first_s']:.0f} s"
@@ -558,10 +560,7 @@ def compare(
             note += "; " + PARTIAL_COMPILE[name]
         rows.append(_row(name, "compile", setting, res, eager_s, note=note))
         log(rows[-1])
-        again[f"compile {setting}"] = (
-            lambda model: torch.compile(plain(model), backend=backend),
-            lambda b=b: torch._functorch.config.patch(activation_memory_budget=b),
-        )
+        again[f"compile {setting}"] = (compiled, budgeted)
     torch._dynamo.reset()
 
     def run_dtr(budget, setting, at=None):
@@ -602,7 +601,7 @@ def compare(
             run_dtr(budget, f"@ {label} (try {attempt + 2})", label)
 
     if confirm > 0:
-        _confirm(rows, confirm, again, plain, run, dtr_options, log)
+        _confirm(rows, confirm, again, plain, run, dtr_options)
 
     # eager once more: how far the machine's speed drifted while the others ran
     rows.append(_row(name, "eager", "again, after the others", run(plain), eager_s))
@@ -628,7 +627,7 @@ def _dtr_at(rows: list[dict], static: dict) -> dict | None:
     return min(at, key=lambda d: (-(math.inf if d["budget"] is None else d["budget"]), d["step_s"]))
 
 
-def _confirm(rows, repeats, again, plain, run, dtr_options, log) -> None:
+def _confirm(rows, repeats, again, plain, run, dtr_options) -> None:
     """Time each static point and dtr's run at its memory (_dtr_at) again, `repeats` times
     each, alternately (static, dtr, static, dtr, ...): the two medians are minutes apart
     at most, not a whole model's runs, so the machine's drift weighs on both alike."""
