@@ -24,8 +24,9 @@
 // with the numbers. Before an op runs under a budget, room is made for the bytes the last
 // call with the same op and input shapes allocated (dtr/reserve.py).
 // Stress mode evicts everything evictable after every op. A trace (csrc/native_trace.h)
-// records the core calls in the default engine's format, for dtr.sim. Timeline and OOM
-// retry are not here yet.
+// records the core calls in the default engine's format, for dtr.sim. torch.distributed's
+// collectives get plain tensors and are not recorded (collective(), below). OOM retry
+// (CUDA) is not here.
 #include "native.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -174,14 +175,24 @@ struct Out {     // where a recipe's core output comes from
   int64_t slot;  // a new version: the index in `slots` of the argument written in place
 };
 
+// A plain tensor a recipe reads, as it was when recorded. What can happen to it with no op
+// the engine sees: a write (another thread: its version moves), `p.data = new` or
+// Module.half() (its storage is swapped), FSDP2's reshard (its storage resized to 0).
+// The storage is held, as the default engine holds a constant's.
+struct PlainRead {
+  at::Tensor t;
+  uint32_t version;
+  c10::Storage storage;
+  explicit PlainRead(const at::Tensor& x) : t(x), version(x._version()), storage(x.storage()) {}
+};
+
 struct Recipe {
   std::optional<c10::OperatorHandle> op;
   std::vector<c10::IValue> args;  // the call's arguments, managed tensors as None
   std::vector<Slot> slots;
   std::vector<Out> outs;  // per core output
   std::vector<int64_t> out_tids;
-  // plain tensors it reads, with their version when recorded (a write dtr did not see)
-  std::vector<std::pair<at::Tensor, uint32_t>> plain;
+  std::vector<PlainRead> plain;
   // a random op: its generator and that generator's state before the op first ran
   std::optional<at::Generator> gen;
   at::Tensor rng_state;
@@ -486,16 +497,42 @@ struct Engine : std::enable_shared_from_this<Engine> {
     }
   }
 
+  // The default engine's checks and messages (dtr/recipe.py: freed_error, replaced_error,
+  // written_error): a replay must not read what the program no longer holds.
+  static void check_plain_read(const Recipe& rec, const PlainRead& p) {
+    const char* what = nullptr;
+    if (p.t.numel() > 0 && p.t.storage().nbytes() == 0)
+      what =
+          "whose storage has since been freed outside dtr's view (storage resize_(0), as "
+          "FSDP2's fully_shard does to unsharded parameters). Keep such code out of "
+          "dtr.enable(), or run without a budget; see dtr/NOTES.md, 'Composing with DDP "
+          "and FSDP'";
+    else if (!p.t.storage().is_alias_of(p.storage))
+      what =
+          "whose storage has since been replaced without any op dtr could see (`p.data = "
+          "...`, or Module.half()/.to() converting parameters that way), so recomputing "
+          "would use the new value where the program used the old one. Update tensors in "
+          "place instead (`with torch.no_grad(): p.copy_(new)` or `p.sub_(...)`), or "
+          "convert the model before dtr.enable()";
+    else if (p.t._version() != p.version)
+      what =
+          "that has since been written in place where dtr could not see it (on another "
+          "thread, or by code that bypasses dispatch), so recomputing would use the new "
+          "value where the program used the old one. Update parameters on the thread that "
+          "runs dtr.enable(), or between steps";
+    if (what == nullptr) return;
+    std::string shape = "[";
+    for (int64_t d = 0; d < p.t.dim(); ++d) shape += (d ? ", " : "") + std::to_string(p.t.size(d));
+    throw Unsupported("dtr: cannot recompute " + py_name(rec.op->schema()) +
+                      ": it reads a plain tensor of shape " + shape + "] " + what);
+  }
+
   // Rerun recipe rid (its inputs materialized and locked) and tell the core. A new
   // version is computed in a copy of the old value's storage, or in that storage itself
   // when the core allows it (Core::steals: nothing else will read the old value).
   void rerun(int64_t rid) {
     Recipe& rec = recipes.at(rid);
-    for (auto& [t, version] : rec.plain)
-      if (t._version() != version)
-        throw std::runtime_error(
-            "dtr: a tensor this recomputation reads was written in place where dtr could not "
-            "see it (another thread, or code outside any op)");
+    for (const PlainRead& p : rec.plain) check_plain_read(rec, p);
     const std::vector<int64_t> stolen = core.steals(rid);
     std::vector<at::Tensor> filled(rec.slots.size());
     for (size_t q = 0; q < rec.slots.size(); ++q) filled[q] = values.at(rec.slots[q].tid);
@@ -1166,7 +1203,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       for (size_t k = 0; k < leaves.size(); ++k) {
         if (snap_tid[k] >= 0) {
           inputs.push_back(snap_tid[k]);
-          rec.plain.emplace_back(snap[k], snap[k]._version());
+          rec.plain.emplace_back(snap[k]);
           set_item(args[leaves[k].arg], leaves[k].item, snap[k]);
           rec.scratch.emplace_back(leaves[k].arg, leaves[k].item);
         } else if (leaves[k].native && tids[k] >= 0) {
@@ -1175,7 +1212,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
           rec.slots.push_back({leaves[k].arg, leaves[k].item, tids[k]});
         } else if (tids[k] >= 0) {
           inputs.push_back(tids[k]);
-          rec.plain.emplace_back(leaves[k].tensor, leaves[k].tensor._version());
+          rec.plain.emplace_back(leaves[k].tensor);
         }
       }
       if (gen) {
@@ -1365,10 +1402,62 @@ void read_values_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
       }
     } catch (const BudgetExceeded& b) {
       raise_python("BudgetError", b.what());
+    } catch (const Unsupported& u) {
+      raise_python("UnsupportedError", u.what());
     }
   }
   // below autograd: the composite kernel, whose own ops record their gradients
   op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+}
+
+// torch.distributed's ops (namespaces c10d and _c10d_functional), at AutogradPrivateUse1:
+// c10d registers kernels of its own at PrivateUse1, which look for a process-group backend
+// of that device type, so with the session's key included every collective, on plain
+// tensors too, failed ("No backend type associated with device type privateuseone"). No
+// rank can rerun a collective alone, so none is recorded: as in the default engine
+// (Runtime._run_collective), managed arguments are handed to it as exported values
+// (resident and pinned from then on; the program's tensors read what it writes), what
+// reads a written tensor is invalidated first (c10d's in-place collectives declare no
+// writes, so every tensor argument of a c10d:: op counts as written), and the op runs
+// below the session on plain tensors, with plain results.
+void collective(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const c10::FunctionSchema& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const size_t begin = stack->size() - n;
+  std::shared_ptr<Engine> eng = active();
+  const bool open = eng && eng->open;
+  std::vector<std::pair<size_t, int64_t>> managed, foreign;
+  for_each_tensor(stack, begin, n, [&](size_t i, int64_t j, const at::Tensor& t) {
+    NativeImpl* impl = as_native(t);
+    if (impl == nullptr) return;
+    if (open && impl->eng_ == eng)
+      managed.emplace_back(i, j);
+    else
+      foreign.emplace_back(i, j);  // after the block, or another session's: plain values
+  });
+  for (auto [i, j] : foreign) replace_with_plain(stack, begin + i, j);
+  if (open) {
+    const bool writes_all = schema.name().rfind("c10d::", 0) == 0;
+    const std::vector<size_t>& written = facts_of(op).written;
+    try {
+      std::lock_guard<std::recursive_mutex> g(eng->mu);
+      eng->flush();
+      for (auto [i, j] : managed) {
+        c10::IValue& iv = (*stack)[begin + i];
+        set_item(iv, j, export_value(*eng, get_item(iv, j)));
+      }
+      for_each_tensor(stack, begin, n, [&](size_t i, int64_t, const at::Tensor& t) {
+        if (t.defined() &&
+            (writes_all || std::find(written.begin(), written.end(), i) != written.end()))
+          eng->writes_to_plain(t);
+      });
+    } catch (const BudgetExceeded& b) {
+      raise_python("BudgetError", b.what());
+    } catch (const Unsupported& u) {
+      raise_python("UnsupportedError", u.what());
+    }
+  }
+  Engine::call_below(op, stack, at::GradMode::is_enabled());
 }
 
 // The registrations live as long as the process (never deregistered at exit, when
@@ -1376,6 +1465,7 @@ void read_values_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
 torch::Library* g_fallback_lib = nullptr;
 torch::Library* g_routed_lib = nullptr;
 torch::Library* g_value_args_lib = nullptr;
+std::vector<torch::Library*> g_collective_libs;
 std::vector<torch::Library*> g_other_libs;
 constexpr c10::DispatchKey kOtherLayoutKeys[] = {
     c10::DispatchKey::SparsePrivateUse1, c10::DispatchKey::SparseCsrPrivateUse1,
@@ -1385,7 +1475,8 @@ constexpr c10::DispatchKey kOtherLayoutKeys[] = {
 
 // Registered on first use, not at import: a process may have a real PrivateUse1 backend.
 void install(const std::vector<std::string>& routed_ops,
-             const std::vector<std::tuple<std::string, std::string, std::string>>& view_forms) {
+             const std::vector<std::tuple<std::string, std::string, std::string>>& view_forms,
+             const std::vector<std::pair<std::string, std::string>>& collective_ops) {
   if (g_fallback_lib) return;
   for (const auto& [inplace, name, overload] : view_forms)
     g_view_forms.insert_or_assign(inplace, c10::OperatorName(name, overload));
@@ -1411,6 +1502,19 @@ void install(const std::vector<std::string>& routed_ops,
   for (const auto& [name, args] : value_args())
     g_value_args_lib->impl(name.substr(6).c_str(),  // without "aten::"
                            torch::CppFunction::makeFromBoxedFunction<&read_values_first>());
+  // (namespace, name) of each collective; c10d has no kernel of its own at this key
+  std::unordered_map<std::string, torch::Library*> by_namespace;
+  for (const auto& [ns, name] : collective_ops) {
+    torch::Library*& lib = by_namespace[ns];
+    if (lib == nullptr) {
+      lib =
+          new torch::Library(torch::Library::IMPL, ns,
+                             std::optional<c10::DispatchKey>(c10::DispatchKey::AutogradPrivateUse1),
+                             __FILE__, __LINE__);
+      g_collective_libs.push_back(lib);
+    }
+    lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&collective>());
+  }
   // and at the other layouts' keys (a sparse tensor's is_coalesced would get the composite
   // kernel, which refuses every layout, rather than the sparse one below)
   for (c10::DispatchKey key : kOtherLayoutKeys) {
@@ -1423,13 +1527,16 @@ void install(const std::vector<std::string>& routed_ops,
 }
 
 void bind(py::module_& m) {
-  // BudgetExceeded out of a binding (close() materializing what is evicted)
+  // BudgetExceeded or Unsupported out of a binding (close() or materialize() recomputing)
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const BudgetExceeded& b) {
       py::object cls = py::module_::import("dtr.errors").attr("BudgetError");
       PyErr_SetString(cls.ptr(), b.what());
+    } catch (const Unsupported& u) {
+      py::object cls = py::module_::import("dtr.errors").attr("UnsupportedError");
+      PyErr_SetString(cls.ptr(), u.what());
     }
   });
   py::class_<Engine, std::shared_ptr<Engine>>(m, "NativeEngine")
@@ -1557,7 +1664,8 @@ void bind(py::module_& m) {
         std::lock_guard<std::recursive_mutex> g(e.mu);
         e.core.check();
       });
-  m.def("native_install", &install, py::arg("routed_ops"), py::arg("view_forms"));
+  m.def("native_install", &install, py::arg("routed_ops"), py::arg("view_forms"),
+        py::arg("collective_ops"));
   m.def("is_native", [](const at::Tensor& t) { return as_native(t) != nullptr; });
   // dtr.materialize() of a native tensor: its value as a plain tensor (pinned while its
   // session is open, as Engine.export), whichever session it belongs to

@@ -15,8 +15,9 @@ PyTorch's OpInfo database runs under it in stress mode bit for bit as eager
 (tests/test_opinfo.py, test_native_*).
 Gradients accumulated into a leaf's .grad are handed out plain. An infeasible budget
 raises dtr.BudgetError. Traces (trace=, DTR_TRACE) are the default engine's format, for
-dtr.sim; timelines and per-step logs are dtr.enable()'s too; OOM retry (CUDA) and
-collectives are the default engine's only (dtr.enable).
+dtr.sim; timelines and per-step logs are dtr.enable()'s too, and so is the handling of
+torch.distributed's collectives (never recorded; managed arguments handed over plain);
+OOM retry (CUDA) is the default engine's only (dtr.enable).
 
 While a session is open, CPU allocations of 64 KiB and up in this process go through a
 cache that keeps freed blocks for the next request of the same size, as CUDA's caching
@@ -64,7 +65,7 @@ def _install() -> None:
         )
     from . import _C
 
-    _C.native_install(_routed_ops(), _view_forms())
+    _C.native_install(_routed_ops(), _view_forms(), _collective_ops())
     _installed = True
 
 
@@ -79,6 +80,17 @@ def _routed_ops() -> list[str]:
     ops |= set(registered("CompositeExplicitAutograd"))
     ops |= set(registered("CompositeImplicitAutograd")) & set(registered("CPU"))
     return sorted(op[len("aten::") :] for op in ops if op.startswith("aten::"))
+
+
+def _collective_ops() -> list[tuple[str, str]]:
+    """(namespace, name[.overload]) of torch.distributed's ops (dtr/schema.py's
+    collectives), which the engine hands plain tensors, unrecorded."""
+    ops = []
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, name = qualified.partition("::")
+        if namespace in _schema.COLLECTIVE_NAMESPACES:
+            ops.append((namespace, name))
+    return sorted(ops)
 
 
 def _view_forms() -> list[tuple[str, str, str]]:

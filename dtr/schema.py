@@ -31,7 +31,7 @@ class OpFacts:
     meta_only: bool  # reads only the sizes/strides/dtype of its tensors (empty_like, ...)
     hidden_writes: Callable[[list], tuple[int, ...]] | None
     plain_returns: frozenset[int]  # returns left plain tensors (see _PLAIN_RETURNS)
-    collective: bool  # a torch.distributed collective: never recorded (see _COLLECTIVES)
+    collective: bool  # a torch.distributed collective: never recorded (see COLLECTIVE_NAMESPACES)
 
 
 def _bn_writes(vals: list) -> tuple[int, ...]:
@@ -85,7 +85,7 @@ _PLAIN_RETURNS = {"aten::_pack_padded_sequence": frozenset({1})}
 # Collectives: the other ranks take part, so no rank can rerun one alone, and c10d's
 # in-place ones (allreduce_, broadcast_, allgather_, ...) write their tensors without a
 # (a!) in their schemas (``allreduce_(Tensor[] tensors, ...)``), asynchronously.
-_COLLECTIVES = {"c10d", "_c10d_functional"}
+COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional"}
 
 # Ops that read nothing but their tensor arguments' metadata. Their recipes depend on no
 # value, so recomputing an ``empty_like(x)`` never recomputes x (dropout's mask starts so).
@@ -183,5 +183,5 @@ def _compute(func) -> OpFacts:
         meta_only=schema.name in _META_ONLY and "device" in names,
         hidden_writes=_HIDDEN_WRITES.get(schema.name),
         plain_returns=_PLAIN_RETURNS.get(schema.name, frozenset()),
-        collective=namespace in _COLLECTIVES,
+        collective=namespace in COLLECTIVE_NAMESPACES,
     )

@@ -9,6 +9,7 @@ import types
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import direct_reads
 from .config import DTRConfig, resolve
 from .errors import ConfigError, DTRError
 from .runtime import Runtime
@@ -113,6 +114,7 @@ class Session:
             native = sys.modules.get("dtr.native")  # imported by whoever opened one
             if native is not None and native._open is not None:
                 raise DTRError("dtr: dtr.native.enable() is active; the two engines do not nest")
+            direct_reads.install()
             self._runtime = Runtime(self.config)
             try:
                 self._mode = _Mode(self._runtime)

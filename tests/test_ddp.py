@@ -2,15 +2,19 @@
 
 DTR runs per rank: each process has its own session, budget and decisions, and the
 collectives see plain tensors (gradients are handed to ``.grad`` plain before DDP's
-reducer reads them). See dtr/NOTES.md, "Composing with DDP and FSDP".
+reducer reads them). See dtr/NOTES.md, "Composing with DDP and FSDP". The DDP and FSDP2
+runs are made under both engines (``dtr.enable()`` and ``engine="native"``, whose
+collectives go through a kernel of its own: c10d's kernels for the PrivateUse1 key look
+for a process group backend of that device type, and every collective failed).
 
 - **DDP** wrapping a model inside ``dtr.enable``: batch norm (DDP broadcasts rank 0's
   buffers before every forward) and dropout (a different stream per rank); SGD, and
   Adam with gradient accumulation under ``no_sync()`` and ``gradient_as_bucket_view``.
-  The SGD loop also all-reduces a copy of the loss for logging: a collective on a
-  managed tensor, which no rank can recompute alone (dtr hands such tensors to the
-  collective plain and pins them; it used to record ``allreduce_`` as a view, whose
-  schema does not say it writes, and read back the local value after an eviction).
+  The SGD loop also all-reduces a copy of the loss for logging (with ``dist.all_reduce``
+  and with a functional collective): a collective on a managed tensor, which no rank can
+  recompute alone (dtr hands such tensors to the collective plain and pins them; it
+  used to record ``allreduce_`` as a view, whose schema does not say it writes, and read
+  back the local value after an eviction).
   Each rank's losses, gradients after every step, parameters and buffers must equal
   those of the same DDP run without dtr, bit for bit: with no budget, at 50% and 30% of
   the peak (both evicting and recomputing) and in stress mode.
@@ -42,6 +46,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
@@ -54,6 +59,12 @@ WORLD = 2
 TIMEOUT = 300  # seconds for the whole spawn
 MODES = ["unbudgeted", 0.5, 0.3, "stress"]
 DDP_SCENARIOS = ["ddp-sgd", "ddp-accumulate-adam"]
+try:
+    import dtr._C  # noqa: F401
+
+    ENGINES = ["default", "native"]
+except ImportError:  # the pure-Python build: no native engine
+    ENGINES = ["default"]
 
 
 class Net(nn.Module):
@@ -103,6 +114,9 @@ def _ddp_loop(scenario: str, rank: int, small: bool, run: Trajectory, model: nn.
             logged = loss.detach().clone()
             dist.all_reduce(logged)
             run.losses.append(logged.item() / WORLD)
+            # and with a functional collective (out of place; a tensor that waits)
+            mean = funcol.all_reduce(loss.detach() * 1, "avg", dist.group.WORLD)
+            run.losses.append((mean * 1).item())
     else:
         ddp = DDP(model, gradient_as_bucket_view=True)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -170,14 +184,17 @@ def _run(loop, dtr_kwargs: dict | None, small: bool = False) -> Trajectory:
 
 
 def _modes(loop) -> dict:
-    """The eager run and every mode of MODES; the stress runs on fewer, smaller batches
-    (every reuse is a recomputation), with its own eager run."""
+    """The eager run and, per engine, every mode of MODES (keys (engine, mode)); the
+    stress runs on fewer, smaller batches (every reuse is a recomputation), with its own
+    eager run."""
     out = {"eager": _run(loop, None), "eager-small": _run(loop, None, small=True)}
-    out["unbudgeted"] = _run(loop, {"cost_model": "roofline"})
-    peak = out["unbudgeted"].stats.peak_resident_bytes
-    for ratio in (0.5, 0.3):
-        out[ratio] = _run(loop, {"budget": int(peak * ratio), "cost_model": "roofline"})
-    out["stress"] = _run(loop, {"stress": True}, small=True)
+    for engine in ENGINES:
+        options = {"cost_model": "roofline", "engine": engine}
+        unbudgeted = out[engine, "unbudgeted"] = _run(loop, options)
+        peak = unbudgeted.stats.peak_resident_bytes
+        for ratio in (0.5, 0.3):
+            out[engine, ratio] = _run(loop, {**options, "budget": int(peak * ratio)})
+        out[engine, "stress"] = _run(loop, {"stress": True, "engine": engine}, small=True)
     return out
 
 
@@ -194,16 +211,16 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         results: dict = {}
         for scenario in DDP_SCENARIOS:
             results[scenario] = _modes(lambda *a, s=scenario: _ddp_loop(s, *a))
-        results["fsdp2"] = {
-            "eager": _run(_fsdp2_loop, None),
-            "unbudgeted": _run(_fsdp2_loop, {"cost_model": "roofline"}),
-        }
-        peak = results["fsdp2"]["unbudgeted"].stats.peak_resident_bytes
-        try:
-            _run(_fsdp2_loop, {"budget": int(peak * 0.5), "cost_model": "roofline"})
-            results["fsdp2"]["budget"] = "no error"
-        except dtr.UnsupportedError as e:
-            results["fsdp2"]["budget"] = e
+        results["fsdp2"] = {"eager": _run(_fsdp2_loop, None)}
+        for engine in ENGINES:
+            options = {"cost_model": "roofline", "engine": engine}
+            unbudgeted = results["fsdp2"][engine, "unbudgeted"] = _run(_fsdp2_loop, options)
+            peak = unbudgeted.stats.peak_resident_bytes
+            try:
+                _run(_fsdp2_loop, {**options, "budget": int(peak * 0.5)})
+                results["fsdp2"][engine, "budget"] = "no error"
+            except dtr.UnsupportedError as e:
+                results["fsdp2"][engine, "budget"] = e
         try:
             results["fsdp1"] = {"eager": _run(_fsdp1_loop, None)}
             results["fsdp1"]["unbudgeted"] = _run(_fsdp1_loop, {"cost_model": "roofline"})
@@ -237,10 +254,11 @@ def results(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("scenario", DDP_SCENARIOS)
-def test_ddp_matches_ddp_without_dtr(results, scenario, mode):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_ddp_matches_ddp_without_dtr(results, engine, scenario, mode):
     for rank in range(WORLD):
         runs = results[rank][scenario]
-        got = runs[mode]
+        got = runs[engine, mode]
         expected = runs["eager-small" if mode == "stress" else "eager"]
         assert mismatches(expected, got) == [], f"rank {rank}"
         stats = got.stats
@@ -249,7 +267,7 @@ def test_ddp_matches_ddp_without_dtr(results, scenario, mode):
         elif mode == "stress":
             assert stats.remats > stats.ops / 2, "stress mode recomputed too little"
         else:
-            budget = int(runs["unbudgeted"].stats.peak_resident_bytes * mode)
+            budget = int(runs[engine, "unbudgeted"].stats.peak_resident_bytes * mode)
             assert stats.peak_resident_bytes <= budget
             assert stats.evictions > 0 and stats.remats > 0, "the budget did not bind"
 
@@ -269,16 +287,18 @@ def test_ddp_ranks_really_synchronize(results, scenario):
     assert all(torch.equal(x, y) for x, y in zip(a.params, b.params))
 
 
-def test_fsdp2_without_budget_matches_fsdp2_without_dtr(results):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fsdp2_without_budget_matches_fsdp2_without_dtr(results, engine):
     for rank in range(WORLD):
         runs = results[rank]["fsdp2"]
-        assert mismatches(runs["eager"], runs["unbudgeted"]) == [], f"rank {rank}"
-        assert runs["unbudgeted"].stats.remats == 0
+        assert mismatches(runs["eager"], runs[engine, "unbudgeted"]) == [], f"rank {rank}"
+        assert runs[engine, "unbudgeted"].stats.remats == 0
 
 
-def test_fsdp2_under_a_budget_is_a_clear_error(results):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fsdp2_under_a_budget_is_a_clear_error(results, engine):
     for rank in range(WORLD):
-        error = results[rank]["fsdp2"]["budget"]
+        error = results[rank]["fsdp2"][engine, "budget"]
         assert isinstance(error, dtr.UnsupportedError), error
         assert "freed" in str(error) and "FSDP" in str(error)
 

@@ -968,6 +968,44 @@ def test_tensors_used_from_other_threads():
     assert all(torch.equal(got[i], (ref * i).sum()) for i in range(4))
 
 
+@pytest.mark.parametrize("change", ["other-thread-write", "data", "half", "storage-freed"])
+def test_a_plain_tensor_changed_behind_the_engine_is_refused_on_recompute(change):
+    """A recipe reads a parameter; then, with no op the engine sees, the parameter is
+    written on another thread, gets another storage (`p.data = ...`, Module.half()) or
+    has its storage freed (what FSDP2 does when it reshards). Recomputing would read
+    the new values (or freed memory) where the program read the old ones: refused with
+    the default engine's dtr.UnsupportedError (tests/test_faults.py, test_ddp.py)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8)
+    expected = {
+        "other-thread-write": "written in place where dtr could not see it",
+        "data": "storage has since been replaced",
+        "half": "storage has since been replaced",
+        "storage-freed": "storage has since been freed",
+    }[change]
+
+    def write():
+        with torch.no_grad():
+            w.add_(1)
+
+    with pytest.raises(dtr.UnsupportedError, match=expected) as info:
+        with native.enable(stress=True):
+            y = (x @ w).tanh()  # evicted at once: reading it recomputes mm, which reads w
+            if change == "other-thread-write":
+                t = threading.Thread(target=write)
+                t.start()
+                t.join()
+            elif change == "data":
+                w.data = w.data * 0.5
+            elif change == "half":
+                w.data = w.data.half()  # what Module.half() does to each parameter
+            else:
+                w.untyped_storage().resize_(0)
+            y.sum().item()
+    assert "dtr: cannot recompute aten.mm.default" in str(info.value)
+
+
 # ---------------------------------------------------------------- dtr.enable(engine=...)
 def test_dtr_enable_selects_the_native_engine(monkeypatch):
     """engine="native" (or DTR_ENGINE=native) runs the block on this engine, with

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
 import pickle
 import threading
 
@@ -161,6 +162,64 @@ def test_data_dependent_item_and_tolist(device, core):
         return [y.detach(), x.grad, torch.tensor(lst)]
 
     _check(fn, device, **STRESS)
+
+
+@on_devices
+def test_ops_that_read_a_tensor_argument_in_cpp_get_its_value(device, core, tmp_path):
+    """tensor_split's indices and ctc_loss's lengths are read by PyTorch's composite
+    kernels through data_ptr() above dtr's mode (dtr/direct_reads.py): they are handed
+    over as values, recomputed when evicted (READ in the trace), and the run equals eager
+    and replays in the simulator to the same recomputations."""
+    from dtr import sim
+
+    def fn():
+        x = torch.randn(10, 4, device=device, requires_grad=True)
+        lp = torch.randn(12, 2, 5, device=device).log_softmax(2).detach().requires_grad_()
+        h, z = x * 2, lp * 1
+        # computed from managed values, so managed (and evicted at once under stress)
+        indices = (h[:3, 0] * 0).long().cpu() + torch.tensor([1, 4, 7])
+        sections = (h[0, 0] * 0).long().cpu() + 3  # 0-d: a number of sections
+        parts = torch.tensor_split(h, indices) + torch.tensor_split(h, sections, 1)
+        loss = sum((p**2).sum() * (i + 1) for i, p in enumerate(parts))
+        targets = torch.randint(1, 5, (2, 4), device=device)
+        zero = (z[:2, 0, 0] * 0).long()
+        lengths = zero + 12 - torch.tensor([0, 2], device=device)
+        loss = loss + F.ctc_loss(z, targets, lengths, zero + 4 - 1)
+        loss.backward()
+        return [loss.detach(), x.grad, lp.grad, *parts]
+
+    path = str(tmp_path / "reads.jsonl")
+    stats = _check(fn, device, stress=True, cost_model="roofline", trace=path)
+    assert stats.remats > 0
+    records = [json.loads(line) for line in open(path)]
+    assert sum(r["INSTRUCTION"] == "READ" for r in records) >= 3  # indices, both lengths
+    res = sim.simulate(sim.load(path), stress=True, thrash=0)
+    assert res.status == "ok" and res.remats == stats.remats
+
+    # Plain arguments, and bad ones, get PyTorch's own composite and its errors.
+    plain = torch.tensor_split(torch.ones(7), torch.tensor([1, 3]))
+    assert [p.shape[0] for p in plain] == [1, 2, 4]
+    with dtr.enable(stress=True):
+        floats = torch.tensor([1.0, 3.0]) * 1
+        with pytest.raises(RuntimeError, match="dtype of long"):
+            torch.tensor_split(torch.ones(7) * 1, floats)
+
+
+def test_tracing_tensor_split_after_a_session(core):
+    # The kernels dtr/direct_reads.py registers stay after the block; under the Python
+    # dispatcher (AOTAutograd's tracing with fake tensors) they must take the Python
+    # decomposition the dispatcher took before, not the C++ composite that reads memory.
+    with dtr.enable():
+        pass
+
+    def g(x, i):
+        return sum(p.sum() * (k + 1) for k, p in enumerate(torch.tensor_split(x, i)))
+
+    x = torch.randn(8, requires_grad=True)
+    i = torch.tensor([1, 5])
+    torch._dynamo.reset()
+    got = torch.compile(g, backend="aot_eager", fullgraph=True, dynamic=False)(x, i)
+    assert torch.equal(got, g(x, i))
 
 
 def test_python_level_methods_inside_the_block(core):
