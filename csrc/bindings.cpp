@@ -5,6 +5,7 @@
 
 #include "core.h"
 #include "cpu_cache.h"
+#include "device_memory.h"
 #include "fastpath.h"
 #include "native.h"
 #include "replay.h"
@@ -90,4 +91,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   dtr::native::bind(m);
   dtr::cpu_cache::bind(m);
   dtr::roofline::bind(m);
+  dtr::device_memory::bind(m);
 }

@@ -696,6 +696,7 @@ py::object FastPath::new_recipe(const OpInfo& op, const py::object& args, const 
 // Runtime._settle: evict until the budget holds, the op's fresh outputs protected.
 void FastPath::settle(const std::vector<int64_t>& fresh, const OpInfo& op) {
   Core& core = *core_;
+  if (metered_) rt_.attr(s_measure_device_)();  // one read of the allocator's count
   {
     Locks held(core);
     for (int64_t tid : fresh) held.lock(tid);
@@ -717,8 +718,9 @@ void bind_fastpath(py::module_& m) {
   py::class_<fast::FastPath>(m, "FastPath",
                              "The live runtime's per-op fast path (csrc/fastpath.cpp); call it as "
                              "the runtime's handle(func, args, kwargs).")
-      .def(py::init<py::object, py::object, bool, bool, bool>(), py::arg("runtime"),
-           py::arg("types"), py::arg("stress"), py::arg("check"), py::arg("model_cost"))
+      .def(py::init<py::object, py::object, bool, bool, bool, bool>(), py::arg("runtime"),
+           py::arg("types"), py::arg("stress"), py::arg("check"), py::arg("model_cost"),
+           py::arg("metered") = false)
       .def("__call__", &fast::FastPath::operator(), py::arg("func"), py::arg("args"),
            py::arg("kwargs") = py::none())
       .def("torch_dispatch", &fast::FastPath::torch_dispatch, py::arg("mode"), py::arg("func"),

@@ -92,8 +92,13 @@ struct Replaying {
 
 class FastPath {
  public:
-  FastPath(py::object runtime, py::object types, bool stress, bool check, bool model_cost)
-      : rt_(std::move(runtime)), stress_(stress), check_(check), model_cost_(model_cost) {
+  FastPath(py::object runtime, py::object types, bool stress, bool check, bool model_cost,
+           bool metered)
+      : rt_(std::move(runtime)),
+        stress_(stress),
+        check_(check),
+        model_cost_(model_cost),
+        metered_(metered) {
     ckpt_type_ = types.attr("CheckpointTensor");
     node_type_ = types.attr("Node");
     ref_type_ = types.attr("Ref");
@@ -199,6 +204,7 @@ class FastPath {
   py::object frame_callback_, without_dynamo_;  // dtr/session.py's, for torch_dispatch
   Core* core_;
   bool stress_, check_, model_cost_;
+  bool metered_;  // measure="allocator": Runtime.measure_device at each boundary
   std::unordered_map<PyObject*, OpInfo> ops_;
   const py::object s_is_open_ = intern("is_open"), s_core_ = intern("core"),
                    s_pending_ = intern("pending_refs"), s_ref_ = intern("_dtr_ref"),
@@ -220,7 +226,8 @@ class FastPath {
                    s_after_steal_ = intern("_after_interrupted_steal"),
                    s_out_of_budget_ = intern("out_of_budget"),
                    s_recompute_seconds_ = intern("recompute_seconds"),
-                   s_hooked_ = intern("_dtr_hooked"), s_check_mirror_ = intern("check_mirror");
+                   s_hooked_ = intern("_dtr_hooked"), s_check_mirror_ = intern("check_mirror"),
+                   s_measure_device_ = intern("measure_device");
   py::object token_;  // Runtime._token: what _hook_leaf marks a hooked leaf with
   void hook_leaf(PyObject* arg, const at::Tensor& t);
 };

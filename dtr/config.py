@@ -11,9 +11,9 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+from . import device as _device
 from ._pycore import DEFAULT_HEURISTIC, HEURISTICS
 from .cost import COST_MODELS
-from .device import total_memory_bytes
 from .errors import ConfigError
 from .units import ACCEPTED, parse_bytes
 
@@ -26,10 +26,17 @@ ENV_COST_MODEL = "DTR_COST_MODEL"
 ENV_TRACE = "DTR_TRACE"
 ENV_LOG_STEPS = "DTR_LOG_STEPS"
 ENV_ENGINE = "DTR_ENGINE"
+ENV_MEASURE = "DTR_MEASURE"
 
 # "default": a Python dispatch mode with a C++ fast path, on any device; "native": managed
 # tensors as a C++ TensorImpl, every op through one C++ fallback (CPU only; dtr.native).
 ENGINES = ("default", "native")
+
+# What the budget is held to: "dtr", dtr's own count of the bytes it manages (the values
+# of managed tensors and the constants their ops read); "allocator", everything the CUDA
+# caching allocator has handed out on the device (dtr/device.py): memory dtr does not
+# manage (optimizer state, tensors made outside the block, rounding) comes off the budget.
+MEASURES = ("dtr", "allocator")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -61,6 +68,7 @@ class DTRConfig:
             0 records none.
         log_steps: log a one-line summary per optimizer step to the "dtr" logger.
         engine: "default" or "native" (see ENGINES).
+        measure: "dtr" or "allocator" (see MEASURES).
     """
 
     budget_bytes: int | None = None
@@ -76,6 +84,7 @@ class DTRConfig:
     timeline: int = 0
     log_steps: bool = False
     engine: str = "default"
+    measure: str = "dtr"
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and (
@@ -107,6 +116,10 @@ class DTRConfig:
             raise ConfigError(
                 f"dtr: unknown cost_model {self.cost_model!r}; valid: {', '.join(COST_MODELS)}"
             )
+        if self.measure not in MEASURES:
+            raise ConfigError(
+                f"dtr: unknown measure {self.measure!r}; valid: {', '.join(MEASURES)}"
+            )
         for name in ("stress", "check", "force_python", "log_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"dtr: option {name} must be a bool, got {getattr(self, name)!r}")
@@ -127,6 +140,7 @@ OPTIONS = (
     "timeline",
     "log_steps",
     "engine",
+    "measure",
 )
 TIMELINE_DEFAULT = 1_000_000  # timeline=True: ~100 MB of Python objects at most
 
@@ -151,7 +165,7 @@ def _percent_of_device(value: str) -> int:
         raise ValueError("not a number before '%'") from None
     if not 0 < percent <= 100:  # NaN fails this too
         raise ValueError("a percentage must be in (0, 100]")
-    total, _ = total_memory_bytes()
+    total, _ = _device.total_memory_bytes()
     return parse_bytes(int(total * percent / 100))
 
 
@@ -232,6 +246,15 @@ def resolve(
             raise ConfigError(
                 f"dtr: unknown engine {engine!r} in {ENV_ENGINE}; valid: {', '.join(ENGINES)}"
             )
+    measure = options.get("measure")
+    if measure is None:
+        measure = env.get(ENV_MEASURE, "").strip() or "dtr"
+        if measure not in MEASURES:
+            raise ConfigError(
+                f"dtr: unknown measure {measure!r} in {ENV_MEASURE}; valid: {', '.join(MEASURES)}"
+            )
+    if measure == "allocator":
+        _device.allocator_meter()  # no CUDA: a ConfigError now, at enable() time
     timeline = options.get("timeline", 0)
     if timeline is True:
         timeline = TIMELINE_DEFAULT
@@ -251,4 +274,5 @@ def resolve(
         check=check,
         force_python=force_python(env),
         engine=engine,
+        measure=measure,
     )

@@ -110,6 +110,11 @@ class NativeSession:
     """A context manager: the native engine is on for the thread that enters it."""
 
     def __init__(self, config: _config.DTRConfig, cache=DEFAULT_CACHE):
+        if config.measure != "dtr":
+            raise ConfigError(
+                f"dtr: measure={config.measure!r} reads the CUDA allocator's count; the native "
+                "engine runs on the CPU, where dtr's own count is the measure (measure='dtr')"
+            )
         self.config = config  # the settings, as dtr.enable()'s session keeps them
         # the budget now (set_budget() changes it), in bytes; -1 for none
         self.budget = -1 if config.budget_bytes is None else config.budget_bytes

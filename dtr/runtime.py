@@ -22,6 +22,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import cost as _cost
+from . import device as _device
 from . import oom, rng
 from . import recipe as _recipe
 from ._core import make_core
@@ -100,6 +101,9 @@ class _Op:
 class Runtime(Driver):
     def __init__(self, config: DTRConfig):
         self.config = config
+        # measure="allocator": the budget counts the whole device (measure_device)
+        self.meter = _device.allocator_meter() if config.measure == "allocator" else None
+        self.unmanaged_bytes = 0  # what the meter read beyond dtr's count, last boundary
         budget = -1 if config.budget_bytes is None else config.budget_bytes
         self.core, self.core_kind = make_core(config, budget)
         self.nodes: list[Node | None] = []
@@ -158,7 +162,12 @@ class Runtime(Driver):
             return None
         _C = importlib.import_module("dtr._C")
         return _C.FastPath(
-            self, _FAST_TYPES, self.config.stress, self.config.check, self.model_cost
+            self,
+            _FAST_TYPES,
+            self.config.stress,
+            self.config.check,
+            self.model_cost,
+            self.meter is not None,
         )
 
     def fast_route(self, func) -> tuple[OpFacts, bool, int, bool, bool]:
@@ -560,6 +569,8 @@ class Runtime(Driver):
         op's own outputs are protected while choosing victims."""
         core = self.core
         before = core.resident_bytes if self.timeline is not None else 0
+        if self.meter is not None:
+            self.measure_device()
         for tid in fresh:
             core.lock(tid)
         try:
@@ -579,6 +590,17 @@ class Runtime(Driver):
         if self.config.check:
             core.check()
             self.check_mirror()
+
+    def measure_device(self) -> None:
+        """measure="allocator", at an op boundary (before its evictions): the allocator's
+        count beyond dtr's own is memory dtr does not manage, and comes off the budget
+        the core holds resident bytes to until the next boundary. (The C++ fast path
+        calls this too.)"""
+        core = self.core
+        self.unmanaged_bytes = max(0, self.meter() - core.resident_bytes)
+        budget = self.config.budget_bytes
+        if budget is not None:
+            core.budget = max(0, budget - self.unmanaged_bytes)
 
     def check_mirror(self) -> None:
         """Check mode: the Python mirror agrees with the core. Every storage dtr knows as
@@ -915,8 +937,19 @@ class Runtime(Driver):
             f"{format_bytes(core.resident_bytes)} resident, {format_bytes(requested)} "
             f"requested, {format_bytes(core.pinned_bytes())} pinned (constants and tensors "
             f"that cannot be recomputed) and {format_bytes(core.locked_bytes())} locked by "
-            f"the running op, none of which can be evicted. Largest unevictable: "
-            f"{largest or 'none'}. Raise the budget or reduce the batch size."
+            f"the running op, none of which can be evicted.{self._unmanaged_note()} "
+            f"Largest unevictable: {largest or 'none'}. Raise the budget or reduce the "
+            f"batch size."
+        )
+
+    def _unmanaged_note(self) -> str:
+        if self.meter is None:
+            return ""
+        return (
+            f" The budget counts the whole device (measure='allocator'): besides those, "
+            f"{format_bytes(self.unmanaged_bytes)} on it is memory dtr does not manage "
+            f"(optimizer state, tensors made outside the block, the allocator's rounding), "
+            f"leaving {format_bytes(self.core.budget)} for what it does."
         )
 
     def close(self) -> None:

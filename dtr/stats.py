@@ -40,6 +40,9 @@ class Stats(Loggable):
         core: "c++" or "python".
         oom_retries: ops rerun after the allocator ran out of memory and dtr evicted.
         search_seconds: time spent choosing eviction victims.
+        unmanaged_bytes: with measure="allocator", what the device's allocator had
+            handed out beyond dtr's own count at the last op boundary (memory dtr does
+            not manage, which came off the budget); 0 otherwise.
     """
 
     budget_bytes: int | None
@@ -57,6 +60,7 @@ class Stats(Loggable):
     core: str
     oom_retries: int = 0
     search_seconds: float = 0.0
+    unmanaged_bytes: int = 0
 
     def __str__(self) -> str:
         return (
@@ -86,4 +90,5 @@ def collect(rt) -> Stats:
         core=rt.core_kind,
         oom_retries=rt.oom_retries,
         search_seconds=core.search_seconds,
+        unmanaged_bytes=rt.unmanaged_bytes,
     )

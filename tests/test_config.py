@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import dtr
+import dtr.device
 from dtr.config import resolve
 
 
@@ -83,6 +85,7 @@ def test_no_budget_anywhere_means_track_only():
         ("DTR_STRESS", "maybe", "DTR_STRESS"),
         ("DTR_FORCE_PYTHON", "2", "DTR_FORCE_PYTHON"),
         ("DTR_COST_MODEL", "guess", "cost_model"),
+        ("DTR_MEASURE", "nvml", "DTR_MEASURE"),
     ],
 )
 def test_bad_env_values_name_the_variable(monkeypatch, name, value, match):
@@ -111,6 +114,7 @@ def test_unknown_option():
         {"min_evict_bytes": 1.5},
         {"cost_model": "flops"},
         {"check": 1},
+        {"measure": "nvml"},
     ],
 )
 def test_bad_option_values(options):
@@ -124,6 +128,25 @@ def test_env_flags(monkeypatch):
     cfg = resolve()
     assert cfg.stress and cfg.cost_model == "roofline"
     assert not resolve(stress=False).stress
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_measure_allocator_without_cuda_is_a_config_error(monkeypatch, how):
+    # The CPU allocator keeps no count to hold a budget to; said at enable() time.
+    if how == "env":
+        monkeypatch.setenv("DTR_MEASURE", "allocator")
+    options = {"measure": "allocator"} if how == "option" else {}
+    with pytest.raises(dtr.ConfigError, match="no CUDA device.*measure='dtr'"):
+        dtr.enable(budget="1GiB", **options)
+    assert resolve(measure="dtr").measure == "dtr"
+
+
+def test_measure_allocator_is_refused_by_the_native_engine(monkeypatch):
+    pytest.importorskip("dtr._C", reason="the native engine is C++")
+    monkeypatch.setattr(dtr.device, "allocator_meter", lambda: lambda: 0)  # as if on CUDA
+    with pytest.raises(dtr.ConfigError, match="native engine runs on the CPU"):
+        dtr.enable(engine="native", measure="allocator")
 
 
 def test_errors_are_raised_at_enable_time_not_at_enter():

@@ -8,7 +8,9 @@ where PyTorch has them) and are bitwise, unless PyTorch reported a kernel withou
 deterministic implementation; then they are within a few ulps (``assert_matches``).
 
 Covered: a bench model under a tight budget (same values, less memory really allocated),
-a budget given as a percentage of the device's memory, RNG replay (Philox dropout, the
+a budget given as a percentage of the device's memory, a budget that counts the whole
+device (``measure="allocator"``: the caching allocator's count, memory dtr does not
+manage taken off the budget), RNG replay (Philox dropout, the
 fused attention kernels, cuDNN's LSTM dropout) under stress mode, autocast in float16
 and bfloat16, pinned memory and non_blocking copies, a side stream, evicting when the
 caching allocator itself runs out of memory (no budget), and the allocator's
@@ -97,6 +99,41 @@ def test_percent_budget_resolves_against_device_memory():
     budget = session.stats().budget_bytes
     assert budget == int(props.total_memory * 50.0 / 100)
     assert abs(budget - props.total_memory // 2) <= 1
+
+
+def test_measure_allocator_reads_the_caching_allocator():
+    index = torch.cuda.current_device()
+    meter = dtr.device.allocator_meter()
+    x = torch.empty(8 * MiB, dtype=torch.uint8, device=DEV)
+    assert meter() == torch.cuda.memory_allocated(index)
+    del x
+    assert meter() == torch.cuda.memory_allocated(index)
+
+
+def test_measure_allocator_holds_the_whole_device_to_the_budget():
+    # measure="allocator": what the caching allocator holds beyond dtr's own count (a
+    # 64 MiB tensor made outside the block, Adam's state, workspaces, rounding) comes off
+    # the budget, which then bounds dtr's resident bytes more tightly; values as eager's.
+    with deterministic(DEV) as nondeterministic:
+        train("cnn", optimizer="adam", device=DEV, steps=1)  # cuBLAS/cuDNN workspaces
+        train("cnn", optimizer="adam", device=DEV, steps=1, dtr_kwargs={"stress": True})
+        expected = train("cnn", optimizer="adam", device=DEV)
+        free = train("cnn", optimizer="adam", device=DEV, dtr_kwargs={"cost_model": "roofline"})
+        peak = free.stats.peak_resident_bytes
+        ballast = torch.empty(64 * MiB, dtype=torch.uint8, device=DEV)
+        torch.cuda.synchronize()
+        budget = torch.cuda.memory_allocated() + peak // 2
+        options = {"budget": budget, "cost_model": "roofline", "measure": "allocator"}
+        got = train("cnn", optimizer="adam", device=DEV, dtr_kwargs=options)
+    print(
+        f"\ncnn, measure='allocator': budget {budget} B, P {peak} B; unmanaged at the end "
+        f"{got.stats.unmanaged_bytes} B, dtr's peak {got.stats.peak_resident_bytes} B, "
+        f"{got.stats.evictions} evictions"
+    )
+    assert mismatches(expected, got, not nondeterministic) == []
+    assert got.stats.unmanaged_bytes >= ballast.numel()
+    assert got.stats.peak_resident_bytes <= budget - ballast.numel()
+    assert got.stats.evictions > 0
 
 
 def test_fragmentation_counters_under_a_budget():

@@ -12,6 +12,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import dtr
+import dtr.device
 import dtr.reserve
 from bench.common import profiled_bytes
 from bench.harness import train
@@ -146,6 +147,51 @@ def test_budget_below_one_op_is_reported(core):
     with pytest.raises(dtr.BudgetError, match="requested"):
         with dtr.enable(budget="100KB"):
             (x @ x).sum().backward()
+
+
+def _modelled_allocator(monkeypatch, other_bytes: int) -> list[int]:
+    """measure='allocator' on this CPU machine: an allocator whose count is dtr's resident
+    bytes plus `other_bytes` of memory dtr does not manage (on CUDA the count is the
+    caching allocator's, dtr/device.py). Returns the list of counts it reported."""
+    reads: list[int] = []
+
+    def make_meter():
+        def meter() -> int:
+            reads.append(dtr.session.current()._runtime.core.resident_bytes + other_bytes)
+            return reads[-1]
+
+        return meter
+
+    monkeypatch.setattr(dtr.device, "allocator_meter", make_meter)
+    return reads
+
+
+def test_measure_allocator_takes_unmanaged_memory_off_the_budget(core, monkeypatch):
+    # The budget counts the whole device: with a quarter of the peak held by memory dtr
+    # does not manage, a budget of the peak leaves three quarters for what it does.
+    expected = train("cnn", steps=2)
+    peak = train("cnn", steps=2, dtr_kwargs={}).stats.peak_resident_bytes
+    other = peak // 4
+    options = {"budget": peak, "cost_model": "roofline"}
+    own = train("cnn", steps=2, dtr_kwargs=options)
+    reads = _modelled_allocator(monkeypatch, other)
+    got = train("cnn", steps=2, dtr_kwargs={**options, "measure": "allocator"})
+    assert len(reads) >= got.stats.ops  # read at every op boundary
+    assert got.losses == expected.losses
+    assert all(torch.equal(a, b) for a, b in zip(got.params, expected.params))
+    assert got.stats.unmanaged_bytes == other
+    assert got.stats.peak_resident_bytes <= peak - other
+    assert got.stats.evictions > own.stats.evictions and got.stats.remats > 0
+
+
+def test_measure_allocator_when_unmanaged_memory_fills_the_budget(core, monkeypatch):
+    _modelled_allocator(monkeypatch, 10 * 2**20)
+    with pytest.raises(dtr.BudgetError) as info:
+        train("mlp", steps=1, dtr_kwargs={"budget": "8MiB", "measure": "allocator"})
+    msg = str(info.value)
+    assert msg.startswith("dtr: cannot stay within the memory budget of 8.00 MiB")
+    assert "10.00 MiB on it is memory dtr does not manage" in msg
+    assert "leaving 0 B for what it does" in msg
 
 
 @pytest.mark.parametrize("heuristic", dtr.HEURISTICS)
