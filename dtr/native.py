@@ -122,6 +122,7 @@ class NativeSession:
         self.cache_stats: dict | None = None  # the cache's hits and misses, after the block
         self._engine = None
         self._guard = None
+        self._stance = None  # torch.compiler.set_stance("force_eager") while open
         self._hooks: list = []  # post-accumulate-grad hook handles, removed at exit
         self._steps: StepTracker | None = None
         # the session's peaks before the last take_step_peak() (Runtime.peak_carry)
@@ -169,6 +170,12 @@ class NativeSession:
             self._hooks.append(
                 register_optimizer_step_post_hook(lambda *_: self._end_step_from_hook())
             )
+        # torch.compile'd code runs eagerly in the block, as under dtr.enable() (where
+        # Dynamo breaks its graph at every op): a managed tensor is a plain torch.Tensor
+        # to Dynamo, so it would compile, and inductor's kernels read their inputs'
+        # memory directly (an evicted one is an error) and allocate what they save for
+        # backward as plain tensors dtr cannot evict. The stance is process-wide.
+        self._stance = torch.compiler.set_stance("force_eager")
         self._guard = torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1)
         self._guard.__enter__()
         return self
@@ -176,7 +183,10 @@ class NativeSession:
     def __exit__(self, *exc) -> None:
         global _open
         try:
-            self._guard.__exit__(*exc)
+            try:
+                self._guard.__exit__(*exc)
+            finally:
+                self._stance.__exit__(None, None, None)  # the stance before the block
         finally:
             try:
                 self._engine.close()

@@ -1006,6 +1006,37 @@ def test_a_plain_tensor_changed_behind_the_engine_is_refused_on_recompute(change
     assert "dtr: cannot recompute aten.mm.default" in str(info.value)
 
 
+def test_torch_compiled_code_runs_eagerly_in_the_block():
+    # Managed tensors are plain torch.Tensors to Dynamo: compiled, inductor's kernels read
+    # an evicted input's memory directly ("dtr: this tensor's value is evicted ..."). In
+    # the block compiled functions run eagerly (torch.compiler's force_eager stance), as
+    # under dtr.enable(); after it they compile again.
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def g(x):
+        return ((x.sin() * 2).cos() + 1).sum()
+
+    f = torch.compile(g, backend=backend)
+    x0 = torch.randn(8, 8)
+    x = x0.clone().requires_grad_()
+    want = g(x)
+    want.backward()
+    want_grad = x.grad
+    torch._dynamo.reset()
+    with native.enable(stress=True) as session:
+        x = x0.clone().requires_grad_()
+        got = f(x * 1)
+        got.backward()
+        got = dtr.materialize(got).detach()
+    assert graphs == [] and session.stats().remats > 0
+    assert torch.equal(got, want.detach()) and torch.equal(x.grad, want_grad)
+    assert torch.equal(f(x0), g(x0)) and len(graphs) == 1
+
+
 # ---------------------------------------------------------------- dtr.enable(engine=...)
 def test_dtr_enable_selects_the_native_engine(monkeypatch):
     """engine="native" (or DTR_ENGINE=native) runs the block on this engine, with
