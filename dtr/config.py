@@ -183,6 +183,17 @@ def _env_flag(env: Mapping[str, str], name: str) -> bool | None:
     )
 
 
+def _env_choice(
+    env: Mapping[str, str], name: str, option: str, default: str, valid: tuple[str, ...]
+) -> str:
+    """One of `valid` from environment variable `name` (unset or empty: `default`); an
+    error names the variable, as for an explicit option the error names the option."""
+    value = env.get(name, "").strip() or default
+    if value not in valid:
+        raise ConfigError(f"dtr: unknown {option} {value!r} in {name}; valid: {', '.join(valid)}")
+    return value
+
+
 def force_python(env: Mapping[str, str] | None = None) -> bool:
     """DTR_FORCE_PYTHON=1 selects the pure-Python core."""
     return bool(_env_flag(os.environ if env is None else env, ENV_FORCE_PYTHON))
@@ -207,12 +218,7 @@ def resolve(
     else:
         budget_bytes = parse_budget(budget)
     if heuristic is None:
-        heuristic = env.get(ENV_HEURISTIC, "").strip() or DEFAULT_HEURISTIC
-        if heuristic not in HEURISTICS:
-            raise ConfigError(
-                f"dtr: unknown heuristic {heuristic!r} in {ENV_HEURISTIC}; "
-                f"valid: {', '.join(HEURISTICS)}"
-            )
+        heuristic = _env_choice(env, ENV_HEURISTIC, "heuristic", DEFAULT_HEURISTIC, HEURISTICS)
     elif not isinstance(heuristic, str):
         raise ConfigError(
             f"dtr: heuristic must be a string, got {heuristic!r}; valid: {', '.join(HEURISTICS)}"
@@ -225,12 +231,7 @@ def resolve(
         check = bool(_env_flag(env, ENV_DEBUG))
     cost_model = options.get("cost_model")
     if cost_model is None:
-        cost_model = env.get(ENV_COST_MODEL, "").strip() or "time"
-        if cost_model not in COST_MODELS:  # name the variable, as for the others
-            raise ConfigError(
-                f"dtr: unknown cost_model {cost_model!r} in {ENV_COST_MODEL}; "
-                f"valid: {', '.join(COST_MODELS)}"
-            )
+        cost_model = _env_choice(env, ENV_COST_MODEL, "cost_model", "time", COST_MODELS)
     trace = options.get("trace")
     if trace is None:
         trace = env.get(ENV_TRACE, "").strip() or None
@@ -241,18 +242,10 @@ def resolve(
         log_steps = bool(_env_flag(env, ENV_LOG_STEPS))
     engine = options.get("engine")
     if engine is None:
-        engine = env.get(ENV_ENGINE, "").strip() or "default"
-        if engine not in ENGINES:
-            raise ConfigError(
-                f"dtr: unknown engine {engine!r} in {ENV_ENGINE}; valid: {', '.join(ENGINES)}"
-            )
+        engine = _env_choice(env, ENV_ENGINE, "engine", "default", ENGINES)
     measure = options.get("measure")
     if measure is None:
-        measure = env.get(ENV_MEASURE, "").strip() or "dtr"
-        if measure not in MEASURES:
-            raise ConfigError(
-                f"dtr: unknown measure {measure!r} in {ENV_MEASURE}; valid: {', '.join(MEASURES)}"
-            )
+        measure = _env_choice(env, ENV_MEASURE, "measure", "dtr", MEASURES)
     if measure == "allocator":
         _device.allocator_meter()  # no CUDA: a ConfigError now, at enable() time
     timeline = options.get("timeline", 0)
