@@ -183,7 +183,8 @@ struct PlainRead {
   at::Tensor t;
   uint32_t version;
   c10::Storage storage;
-  explicit PlainRead(const at::Tensor& x) : t(x), version(x._version()), storage(x.storage()) {}
+  explicit PlainRead(const at::Tensor& x)
+      : t(x), version(x._version()), storage(x.has_storage() ? x.storage() : c10::Storage()) {}
 };
 
 struct Recipe {
@@ -501,13 +502,14 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // written_error): a replay must not read what the program no longer holds.
   static void check_plain_read(const Recipe& rec, const PlainRead& p) {
     const char* what = nullptr;
-    if (p.t.numel() > 0 && p.t.storage().nbytes() == 0)
+    const bool stored = static_cast<bool>(p.storage);  // else only its version is checked
+    if (stored && p.t.numel() > 0 && p.t.storage().nbytes() == 0)
       what =
           "whose storage has since been freed outside dtr's view (storage resize_(0), as "
           "FSDP2's fully_shard does to unsharded parameters). Keep such code out of "
           "dtr.enable(), or run without a budget; see dtr/NOTES.md, 'Composing with DDP "
           "and FSDP'";
-    else if (!p.t.storage().is_alias_of(p.storage))
+    else if (stored && !p.t.storage().is_alias_of(p.storage))
       what =
           "whose storage has since been replaced without any op dtr could see (`p.data = "
           "...`, or Module.half()/.to() converting parameters that way), so recomputing "
