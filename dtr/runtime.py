@@ -1069,7 +1069,23 @@ def _detach(rt: Runtime, func, facts, call: Call, managed: bool):
     return CheckpointTensor(t._dtr_ref, t)
 
 
-_SPECIAL = {aten.detach.default: _detach}
+def _record_stream(rt: Runtime, func, facts, call: Call, managed: bool):
+    # t.record_stream(s) tells the CUDA caching allocator that kernels on stream s use
+    # t's memory, so that it is not reused before they ran. Its schema says it writes
+    # t (`Tensor(a!) self`), which would make a new version of a managed tensor (a copy
+    # whose memory the allocator would be told about instead). It changes no value: on
+    # a managed tensor it applies to the value's memory if it is resident; an evicted
+    # value has no memory a kernel could be using, and a recomputed one is new memory.
+    t = call.args[0] if call.args else None
+    if not managed or not isinstance(t, CheckpointTensor):
+        return func(*call.args, **call.kwargs)
+    value = t._dtr_ref.node.value
+    if value is not None:
+        func(value, *call.args[1:], **call.kwargs)
+    return None
+
+
+_SPECIAL = {aten.detach.default: _detach, aten.record_stream.default: _record_stream}
 
 # What the fast path may do with a call on plain tensors only (handle()'s `if not
 # managed:` branch): nothing (handle() serves it), run it directly unless grad mode

@@ -12,7 +12,8 @@ a budget given as a percentage of the device's memory, a budget that counts the 
 device (``measure="allocator"``: the caching allocator's count, memory dtr does not
 manage taken off the budget), RNG replay (Philox dropout, the
 fused attention kernels, cuDNN's LSTM dropout) under stress mode, autocast in float16
-and bfloat16, pinned memory and non_blocking copies, a side stream, evicting when the
+and bfloat16, pinned memory and non_blocking copies, a side stream, ``record_stream`` of
+a managed tensor, evicting when the
 caching allocator itself runs out of memory (no budget), and the allocator's
 fragmentation counters under a budget (printed; ``pytest -s`` shows them).
 """
@@ -307,6 +308,25 @@ def test_side_stream_producer_and_default_stream_consumer_under_a_tight_budget()
     stats = _check(fn, budget=budget, cost_model="roofline")
     assert stats.evictions > 0 and stats.remats > 0
     assert stats.peak_resident_bytes <= budget
+
+
+def test_record_stream_on_a_managed_tensor_is_not_a_write():
+    # The program tells the allocator that a side stream used a managed tensor: dtr
+    # passes that on for the value's memory and makes no new version (the schema says
+    # record_stream writes its tensor).
+    side = torch.cuda.Stream()
+    x = torch.randn(512, 512, device=DEV, requires_grad=True)
+    with dtr.enable(cost_model="roofline") as session:
+        h = torch.tanh(x * 2)
+        node, ops = h._dtr_ref.node, session.stats().ops
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = h * 3
+        h.record_stream(side)
+        assert h._dtr_ref.node is node and session.stats().ops == ops + 1  # y's op only
+        torch.cuda.current_stream().wait_stream(side)
+        got = dtr.materialize(y).clone()
+    assert torch.equal(got, torch.tanh(x.detach() * 2) * 3)
 
 
 # ---------------------------------------------------------------- allocator OOM

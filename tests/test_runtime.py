@@ -633,6 +633,32 @@ def test_torch_compile_inside_a_session(core, graph_break):
     assert not [str(w.message) for w in caught if "ynamo" in str(w.message)]
 
 
+@pytest.mark.parametrize("stress", [False, True])
+def test_record_stream_applies_to_the_value_and_is_not_a_write(core, stress):
+    # t.record_stream(s) is CUDA-only (tests/test_cuda.py runs it); its schema says it
+    # writes t. Its handler, given a stand-in for the op: the resident value's memory is
+    # recorded, an evicted value is left alone (not recomputed for it), and no new
+    # version is made either way.
+    from dtr.call import Call
+    from dtr.runtime import _SPECIAL
+    from dtr.schema import op_facts
+
+    op = torch.ops.aten.record_stream.default
+    facts = op_facts(op)
+    seen = []
+    with dtr.enable(stress=stress) as session:
+        h = torch.randn(4, requires_grad=True).sin()  # managed (evicted at once in stress)
+        node, ops = h._dtr_ref.node, session.stats().ops
+        result = _SPECIAL[op](
+            session._runtime, lambda v, s: seen.append((v, s)), facts, Call(facts, (h, 7), {}), True
+        )
+        assert result is None and h._dtr_ref.node is node and session.stats().ops == ops
+        if stress:
+            assert seen == [] and node.value is None
+        else:
+            assert len(seen) == 1 and seen[0][0] is node.value and seen[0][1] == 7
+
+
 def test_cudnn_rnn_hidden_writes():
     # What _cudnn_rnn and its backward write without a (a!) in their schemas (CUDA-only
     # kernels; tests/test_cuda.py replays them): the dropout RNG state in training with
