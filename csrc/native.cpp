@@ -1669,6 +1669,15 @@ void bind(py::module_& m) {
   m.def("native_install", &install, py::arg("routed_ops"), py::arg("view_forms"),
         py::arg("collective_ops"));
   m.def("is_native", [](const at::Tensor& t) { return as_native(t) != nullptr; });
+  // A native tensor's value as a plain tensor of its own (recomputed if evicted, a READ
+  // in the trace, nothing pinned): what tolist() reads in a session (dtr/native.py)
+  m.def(
+      "native_read",
+      [](const at::Tensor& t) {
+        py::gil_scoped_release nogil;
+        return value_copy(t);
+      },
+      py::arg("tensor"));
   // dtr.materialize() of a native tensor: its value as a plain tensor (pinned while its
   // session is open, as Engine.export), whichever session it belongs to
   m.def(

@@ -38,6 +38,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import config as _config
+from . import native_reads
 from . import schema as _schema
 from .errors import ConfigError, DTRError
 from .stats import Stats
@@ -176,6 +177,7 @@ class NativeSession:
         # memory directly (an evicted one is an error) and allocate what they save for
         # backward as plain tensors dtr cannot evict. The stance is process-wide.
         self._stance = torch.compiler.set_stance("force_eager")
+        native_reads.install()  # tolist(), numpy(), __dlpack__() of managed tensors
         self._guard = torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1)
         self._guard.__enter__()
         return self
@@ -186,6 +188,7 @@ class NativeSession:
             try:
                 self._guard.__exit__(*exc)
             finally:
+                native_reads.remove()
                 self._stance.__exit__(None, None, None)  # the stance before the block
         finally:
             try:

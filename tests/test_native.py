@@ -146,17 +146,51 @@ def test_values_are_managed_and_readable_after_the_block():
 
 
 def test_direct_read_of_an_evicted_value_is_refused_with_dtrs_message():
+    # data_ptr() is a raw address dtr cannot keep valid: refused while evicted. tolist()
+    # reads a copy of the value, recomputed (dtr/native_reads.py).
     model, x, _ = _model("mlp")
-    with native.enable(budget=int(_peak("mlp") * 0.45)):
+    with torch.no_grad():
+        want = [x]
+        for layer in model:
+            want.append(layer(want[-1]))
+    with native.enable(budget=int(_peak("mlp") * 0.45)) as session:
         h = [x]
         for layer in model:
             h.append(layer(h[-1]))
-        evicted = [t for t in h[1:] if native.is_managed(t) and _evicted(t)]
+        evicted = [k for k, t in enumerate(h) if k and native.is_managed(t) and _evicted(t)]
         assert evicted, "nothing was evicted"
+        k = evicted[0]
         with pytest.raises(RuntimeError, match="dtr: this tensor's value is evicted"):
-            evicted[0].tolist()
+            h[k].data_ptr()
+        pinned = session.stats().pinned_bytes
+        assert h[k].tolist() == want[k].tolist()
+        assert session.stats().pinned_bytes == pinned  # read as a copy: nothing pinned
         # an op rebuilds it
-        assert torch.isfinite(evicted[0].clone()).all()
+        assert torch.isfinite(h[k].clone()).all()
+
+
+def test_numpy_of_a_managed_tensor_pins_its_memory():
+    # numpy() hands out the value's raw address; evicting it afterwards freed that
+    # memory under the array (it then read reused memory: a silently different array).
+    # The value is pinned instead, as dtr.materialize does; PyTorch's methods are put
+    # back after the block.
+    methods = {n: torch.Tensor.__dict__.get(n) for n in ("tolist", "numpy", "__dlpack__")}
+    x = torch.randn(256, 256, requires_grad=True)
+    with native.enable(budget=5 * 256 * 256 * 4 + 1000, heuristic="lru") as session:
+        h = (x * 2).tanh()
+        with pytest.raises(RuntimeError, match="requires grad"):
+            h.numpy()  # as in eager
+        a = h.detach().numpy()
+        ref = a.copy()
+        assert session.stats().pinned_bytes >= a.nbytes
+        hs = [h]
+        for _ in range(8):  # under LRU, h would be the first victim
+            hs.append(hs[-1] * 1.0001)
+        junk = [(hs[-1] + 7.0) * 1 for _ in range(3)]
+        assert session.stats().evictions > 0 and not _evicted(h)
+        assert (a == ref).all() and torch.equal(torch.from_dlpack(h.detach()), h.detach())
+        del junk
+    assert {n: torch.Tensor.__dict__.get(n) for n in methods} == methods
 
 
 def _evicted(t: torch.Tensor) -> bool:
