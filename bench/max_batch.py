@@ -13,6 +13,10 @@ running out is found by doubling from --start, then bisecting to within --resolu
 - **dtr, budget**: ``dtr.enable(budget=--budget-fraction x the cap)``: dtr keeps its own
   count under the budget (parameters, gradients and optimizer state live outside its
   count, hence less than the whole cap), and still evicts on an allocator OOM.
+- **dtr, whole device**: ``dtr.enable(budget=--device-fraction x the cap,
+  measure="allocator")``: the budget counts everything the caching allocator holds, so
+  it can be set close to the cap (the rest is room for what an op allocates before the
+  boundary after it); evicts on an allocator OOM too.
 
 A trial that takes longer than --trial-seconds counts as failed ("slow": thrashing is
 not training). Reported per method: the largest batch, its step time, time per example
@@ -42,7 +46,7 @@ from dtr.units import format_bytes, parse_bytes
 from .common import BENCH_SCALE, RESULTS, print_table, timed_steps, write_csv
 from .models import MODELS
 
-METHODS = ("eager", "dtr, no budget", "dtr, budget")
+METHODS = ("eager", "dtr, no budget", "dtr, budget", "dtr, whole device")
 HEADER = [
     "model",
     "scale",
@@ -87,12 +91,15 @@ def largest(fits: Callable[[int], bool], start: int, limit: int, resolution: flo
     return lo
 
 
-def _dtr_kwargs(method: str, cap: int, fraction: float) -> dict | None:
+def _dtr_kwargs(method: str, cap: int, args) -> dict | None:
     if method == "eager":
         return None
     kwargs = {"cost_model": "roofline"}
     if method == "dtr, budget":
-        kwargs["budget"] = int(cap * fraction)
+        kwargs["budget"] = int(cap * args.budget_fraction)
+    elif method == "dtr, whole device":
+        kwargs["budget"] = int(cap * args.device_fraction)
+        kwargs["measure"] = "allocator"
     return kwargs
 
 
@@ -105,7 +112,7 @@ def trial(name: str, scale: int, size: int, method: str, args, cap: int) -> dict
             scale,
             args.steps,
             args.warmup,
-            _dtr_kwargs(method, cap, args.budget_fraction),
+            _dtr_kwargs(method, cap, args),
             device="cuda",
             size=size,
         )
@@ -189,6 +196,7 @@ def main(argv=None) -> None:
     p.add_argument("--scale", type=int, default=0, help="model scale (default: bench scale)")
     p.add_argument("--memory", default="2GiB", help="the cap on this process's GPU memory")
     p.add_argument("--budget-fraction", type=float, default=0.6)
+    p.add_argument("--device-fraction", type=float, default=0.9)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--start", type=int, default=16)

@@ -31,3 +31,29 @@ def test_largest_when_nothing_or_everything_fits():
 def test_refuses_without_a_gpu_and_says_why():
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         main(["--models", "mlp"])
+
+
+def test_each_method_runs_with_its_options():
+    # What each method passes to dtr.enable (validated as dtr.enable would, short of
+    # the CUDA check that measure="allocator" makes at enable() time).
+    import argparse
+
+    import dtr.config
+    from bench.max_batch import METHODS, _dtr_kwargs
+
+    args = argparse.Namespace(budget_fraction=0.6, device_fraction=0.9)
+    cap = 2 * 2**30
+    got = {m: _dtr_kwargs(m, cap, args) for m in METHODS}
+    assert got["eager"] is None
+    assert got["dtr, no budget"] == {"cost_model": "roofline"}
+    assert got["dtr, budget"]["budget"] == int(cap * 0.6)
+    assert got["dtr, whole device"] == {
+        "cost_model": "roofline",
+        "budget": int(cap * 0.9),
+        "measure": "allocator",
+    }
+    for kwargs in got.values():
+        if kwargs is not None:
+            options = {k: v for k, v in kwargs.items() if k != "budget"}
+            config = dtr.config.DTRConfig(budget_bytes=kwargs.get("budget"), **options)
+            assert config.cost_model == "roofline"
