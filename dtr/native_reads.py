@@ -8,9 +8,12 @@ dtr evicted the value (measured: a silently different array). While a native ses
 is open these methods are replaced on ``torch.Tensor`` (process-wide, put back at exit):
 on a managed tensor, ``tolist()`` reads a copy of the value (recomputed if evicted, a
 ``READ`` in the trace), and ``numpy()``/``__dlpack__()`` (``np.asarray`` and
-``__array__`` call ``numpy()``) take the value pinned, as ``dtr.materialize`` does, so
-the memory they hand out is never evicted. Other tensors go to PyTorch's methods
-unchanged. ``data_ptr()`` still raises on an evicted value; code that keeps raw
+``__array__`` call ``numpy()``) pin the tensor, as ``dtr.materialize`` does, and hand out
+the managed tensor's own memory: the array (or capsule) holds that tensor, whose pin
+lasts as long as it does, so the memory is never evicted under it and writes through it
+reach the tensor, as in eager (a pin on a plain copy would end with the program's
+handle: ``t.detach().numpy()`` drops its detached tensor at once). Other tensors go to
+PyTorch's methods unchanged. ``data_ptr()`` still raises on an evicted value; code that keeps raw
 addresses must call ``dtr.materialize(t)`` first.
 """
 
@@ -29,13 +32,19 @@ def _replacements(_C) -> dict:
         return tolist(_C.native_read(self) if _C.is_native(self) else self)
 
     def native_numpy(self, *, force: bool = False):
-        if _C.is_native(self) and (force or not self.requires_grad):
-            # (a tensor that requires grad gets PyTorch's error, as in eager)
-            self = _C.native_materialize(self)
-        return numpy(self, force=force)
+        if not _C.is_native(self) or (self.requires_grad and not force):
+            return numpy(self, force=force)  # (requires grad: PyTorch's error, as in eager)
+        if force:  # what force does, here, so that the array's base is the pinned tensor
+            self = self.detach().resolve_conj().resolve_neg()
+        _C.native_materialize(self)  # resident and pinned
+        # The array's base is this managed tensor, whose handle keeps the pin (and so the
+        # array's memory, and its aliasing with the tensor) for as long as the array lives.
+        return numpy(self)
 
     def native_dlpack(self, *args, **kwargs):
-        return dlpack(_C.native_materialize(self) if _C.is_native(self) else self, *args, **kwargs)
+        if _C.is_native(self):
+            _C.native_materialize(self)  # the capsule holds this tensor, and so the pin
+        return dlpack(self, *args, **kwargs)
 
     return {"tolist": native_tolist, "numpy": native_numpy, "__dlpack__": native_dlpack}
 

@@ -106,7 +106,12 @@ class CheckpointTensor(torch.Tensor):
                 "Can't call numpy() on Tensor that requires grad. "
                 "Use tensor.detach().numpy() instead."
             )
-        return _plain(self).numpy(force=force)
+        # The array shares the value's memory, as in eager, for as long as it lives: a
+        # write through it must reach the tensor, so the value is pinned (never evicted
+        # and recomputed without the write), as dtr.materialize does.
+        from .runtime import materialize_ref
+
+        return materialize_ref(self._dtr_ref, export=True).numpy(force=force)
 
     def __repr__(self, *, tensor_contents=None):
         text = repr(_plain(self))

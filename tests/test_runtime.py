@@ -222,6 +222,35 @@ def test_tracing_tensor_split_after_a_session(core):
     assert torch.equal(got, g(x, i))
 
 
+@pytest.mark.parametrize("stress", [False, True])
+@pytest.mark.parametrize("engine", ["default", "native"])
+def test_a_numpy_array_aliases_the_tensor_as_in_eager(core, engine, stress):
+    # t.numpy() shares memory with t: a write through the array is seen by the tensor,
+    # an in-place op on the tensor by the array, whatever dtr evicts and recomputes in
+    # between (stress: everything, after every op). The native engine pins the value
+    # (dtr/native_reads.py).
+    if engine == "native":
+        pytest.importorskip("dtr._C", reason="the native engine is C++")
+
+    def program():
+        x = torch.arange(6.0, requires_grad=True)
+        t = x * 2  # managed (it requires grad)
+        a = t.detach().numpy()
+        a[0] = 100.0
+        u = x + 1  # another op: t may be evicted at its boundary
+        seen = t.sum().item()
+        with torch.no_grad():
+            t.add_(1)
+            t.mul_(3)
+        return seen, a.copy(), dtr.materialize(t).detach().clone(), u.sum().item()
+
+    want = program()
+    with dtr.enable(engine=engine, stress=stress):
+        got = program()
+    assert got[0] == want[0] and got[3] == want[3]
+    assert (got[1] == want[1]).all() and torch.equal(got[2], want[2])
+
+
 def test_python_level_methods_inside_the_block(core):
     with dtr.enable(stress=True) as session:
         x = torch.arange(6.0, requires_grad=True)
