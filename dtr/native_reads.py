@@ -11,9 +11,10 @@ on a managed tensor, ``tolist()`` reads a copy of the value (recomputed if evict
 ``__array__`` call ``numpy()``) pin the tensor, as ``dtr.materialize`` does, and hand out
 the managed tensor's own memory: the array (or capsule) holds that tensor, whose pin
 lasts as long as it does, so the memory is never evicted under it and writes through it
-reach the tensor, as in eager (a pin on a plain copy would end with the program's
-handle: ``t.detach().numpy()`` drops its detached tensor at once). Other tensors go to
-PyTorch's methods unchanged. ``data_ptr()`` still raises on an evicted value; code that keeps raw
+reach the tensor, as in eager (an array over the plain view ``dtr.materialize`` returns
+would not hold the pin: that lasts as long as the managed tensor pinned, and in
+``t.detach().numpy()`` the detached one dies at once). Other tensors go to PyTorch's
+methods unchanged. ``data_ptr()`` still raises on an evicted value; code that keeps raw
 addresses must call ``dtr.materialize(t)`` first.
 """
 
