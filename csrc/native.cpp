@@ -474,6 +474,21 @@ struct Engine : std::enable_shared_from_this<Engine> {
            ". Raise the budget or reduce the batch size.";
   }
 
+  // A value the program reads or takes out of the engine (value_copy, export_value):
+  // locked while it is recomputed if evicted. On a failure the lock is released and what
+  // the recomputation evicted is freed before the error goes on.
+  void make_resident(int64_t tid) {
+    core.lock(tid);
+    try {
+      if (!core.is_materialized(tid)) rematerialize(tid);
+    } catch (...) {
+      core.unlock(tid);
+      drain();
+      throw;
+    }
+    core.unlock(tid);
+  }
+
   // ---- Driver.rematerialize (csrc/protocol.h)
   void rematerialize(int64_t tid) {
     try {
@@ -749,15 +764,7 @@ at::Tensor export_value(Engine& e, const at::Tensor& t) {
   e.flush();
   const int64_t tid = impl->tid();
   if (e.trace) e.trace->exported(tid);
-  e.core.lock(tid);
-  try {
-    if (!e.core.is_materialized(tid)) e.rematerialize(tid);
-  } catch (...) {
-    e.core.unlock(tid);
-    e.drain();
-    throw;
-  }
-  e.core.unlock(tid);
+  e.make_resident(tid);
   e.core.pin(tid);
   const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   e.escaped[s] = tid;
@@ -1372,17 +1379,9 @@ at::Tensor value_copy(const at::Tensor& t) {
   eng->flush();
   const int64_t tid = impl->tid();
   if (eng->trace) eng->trace->read(tid);
-  eng->core.lock(tid);
-  at::Tensor copy;
-  try {
-    if (!eng->core.is_materialized(tid)) eng->rematerialize(tid);
-    copy = plain_copy();
-  } catch (...) {
-    eng->core.unlock(tid);
-    eng->drain();
-    throw;
-  }
-  eng->core.unlock(tid);
+  eng->make_resident(tid);
+  // (under the engine's lock, and made below it: nothing can evict it before the copy)
+  at::Tensor copy = plain_copy();
   eng->drain();
   return copy;
 }

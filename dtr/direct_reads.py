@@ -72,7 +72,7 @@ def install() -> None:
         lib = torch.library.Library("aten", "IMPL")
         for name, positions in READ_FIRST.items():
             packet, _, overload = name.partition(".")
-            op = getattr(getattr(torch.ops.aten, packet), overload)
+            kernel = _kernel(getattr(getattr(torch.ops.aten, packet), overload), positions)
             for key in AUTOGRAD_KEYS:
-                lib.impl(name, _kernel(op, positions), key)
+                lib.impl(name, kernel, key)
         _library = lib

@@ -283,42 +283,6 @@ def test_conjugate_and_negative_views_keep_their_bit():
         assert torch.equal(dtr.materialize(g).resolve_conj(), e.resolve_conj())
 
 
-def _split_and_ctc(ctx):
-    torch.manual_seed(0)
-    x = torch.randn(10, 4, requires_grad=True)
-    lp = torch.randn(12, 2, 5).log_softmax(2).detach().requires_grad_()
-    with ctx:
-        h, z = x * 2, lp * 1
-        # computed from managed values, so managed too (and evicted at once under stress)
-        indices = (h[:3, 0] * 0).long() + torch.tensor([1, 4, 7])
-        parts = torch.tensor_split(h, indices)
-        loss = sum((p**2).sum() * (i + 1) for i, p in enumerate(parts))
-        targets = torch.randint(1, 5, (2, 4))
-        zero = (z[:2, 0, 0] * 0).long()
-        loss = loss + F.ctc_loss(z, targets, zero + 12 - torch.tensor([0, 2]), zero + 4 - 1)
-        loss.backward()
-    return [loss.detach().clone(), x.grad.clone(), lp.grad.clone()]
-
-
-def test_ops_that_read_a_tensor_argument_in_cpp_get_its_value(tmp_path):
-    """tensor_split's indices and ctc_loss's lengths are read by PyTorch's composite
-    kernels through data_ptr() before any op reaches the engine: the engine hands those
-    arguments over as plain copies, recomputed when evicted (READ in the trace)."""
-    from dtr import sim
-
-    want = _split_and_ctc(contextlib.nullcontext())
-    path = str(tmp_path / "split.jsonl")
-    with native.enable(stress=True, cost_model="roofline", trace=path) as session:
-        got = _split_and_ctc(contextlib.nullcontext())
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
-    assert session.stats().remats > 0
-    records = [json.loads(line) for line in open(path)]
-    reads = sum(r["INSTRUCTION"] == "READ" for r in records)
-    assert reads >= 3  # the indices, both lengths (ctc_loss's backward reads them again)
-    res = sim.simulate(sim.load(path), stress=True, thrash=0)
-    assert res.status == "ok" and res.remats == session.stats().remats
-
-
 def test_materialize_hands_out_a_plain_tensor():
     with native.enable(stress=True) as session:
         h = torch.arange(6.0, requires_grad=True) * 2  # managed, evicted at once (stress)

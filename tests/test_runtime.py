@@ -165,12 +165,19 @@ def test_data_dependent_item_and_tolist(device, core):
 
 
 @on_devices
-def test_ops_that_read_a_tensor_argument_in_cpp_get_its_value(device, core, tmp_path):
+@pytest.mark.parametrize("engine", ["default", "native"])
+def test_ops_that_read_a_tensor_argument_in_cpp_get_its_value(device, core, engine, tmp_path):
     """tensor_split's indices and ctc_loss's lengths are read by PyTorch's composite
-    kernels through data_ptr() above dtr's mode (dtr/direct_reads.py): they are handed
-    over as values, recomputed when evicted (READ in the trace), and the run equals eager
-    and replays in the simulator to the same recomputations."""
+    kernels through data_ptr() before any op reaches dtr (dtr/direct_reads.py; the native
+    engine's read_values_first): they are handed over as values, recomputed when evicted
+    (READ in the trace), and the run equals eager and replays in the simulator to the
+    same recomputations."""
     from dtr import sim
+
+    if engine == "native":
+        pytest.importorskip("dtr._C", reason="the native engine is C++")
+        if device != "cpu":
+            pytest.skip("the native engine runs on the CPU")
 
     def fn():
         x = torch.randn(10, 4, device=device, requires_grad=True)
@@ -189,7 +196,7 @@ def test_ops_that_read_a_tensor_argument_in_cpp_get_its_value(device, core, tmp_
         return [loss.detach(), x.grad, lp.grad, *parts]
 
     path = str(tmp_path / "reads.jsonl")
-    stats = _check(fn, device, stress=True, cost_model="roofline", trace=path)
+    stats = _check(fn, device, stress=True, cost_model="roofline", trace=path, engine=engine)
     assert stats.remats > 0
     records = [json.loads(line) for line in open(path)]
     assert sum(r["INSTRUCTION"] == "READ" for r in records) >= 3  # indices, both lengths
@@ -199,7 +206,7 @@ def test_ops_that_read_a_tensor_argument_in_cpp_get_its_value(device, core, tmp_
     # Plain arguments, and bad ones, get PyTorch's own composite and its errors.
     plain = torch.tensor_split(torch.ones(7), torch.tensor([1, 3]))
     assert [p.shape[0] for p in plain] == [1, 2, 4]
-    with dtr.enable(stress=True):
+    with dtr.enable(stress=True, engine=engine):
         floats = torch.tensor([1.0, 3.0]) * 1
         with pytest.raises(RuntimeError, match="dtype of long"):
             torch.tensor_split(torch.ones(7) * 1, floats)
