@@ -109,9 +109,7 @@ class CheckpointTensor(torch.Tensor):
         # The array shares the value's memory, as in eager, for as long as it lives: a
         # write through it must reach the tensor, so the value is pinned (never evicted
         # and recomputed without the write), as dtr.materialize does.
-        from .runtime import materialize_ref
-
-        return materialize_ref(self._dtr_ref, export=True).numpy(force=force)
+        return _plain(self, export=True).numpy(force=force)
 
     def __repr__(self, *, tensor_contents=None):
         text = repr(_plain(self))
@@ -146,7 +144,7 @@ class CheckpointTensor(torch.Tensor):
         return _plain(self)
 
 
-def _plain(t: CheckpointTensor) -> torch.Tensor:
+def _plain(t: CheckpointTensor, export: bool = False) -> torch.Tensor:
     from .runtime import materialize_ref
 
-    return materialize_ref(t._dtr_ref)
+    return materialize_ref(t._dtr_ref, export=export)
