@@ -38,7 +38,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import config as _config
-from . import native_reads
+from . import dlpack, native_reads
 from . import schema as _schema
 from .errors import ConfigError, DTRError
 from .stats import Stats
@@ -178,6 +178,7 @@ class NativeSession:
         # backward as plain tensors dtr cannot evict. The stance is process-wide.
         self._stance = torch.compiler.set_stance("force_eager")
         native_reads.install()  # tolist(), numpy(), __dlpack__() of managed tensors
+        dlpack.install()  # torch.to_dlpack of a managed tensor, for the process's life
         self._guard = torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1)
         self._guard.__enter__()
         return self

@@ -4,18 +4,19 @@ A native managed tensor shares its value's storage, and eviction frees that memo
 place. ``tolist()`` reads it directly (a ``dtr:`` error if the value is evicted at that
 moment), and ``numpy()`` and ``__dlpack__()`` hand out its raw address, which outlived
 an eviction: a NumPy array taken from a resident tensor read freed, reused memory once
-dtr evicted the value (measured: a silently different array). While a native session
-is open these methods are replaced on ``torch.Tensor`` (process-wide, put back at exit):
-on a managed tensor, ``tolist()`` reads a copy of the value (recomputed if evicted, a
-``READ`` in the trace), and ``numpy()``/``__dlpack__()`` (``np.asarray`` and
-``__array__`` call ``numpy()``) pin the tensor, as ``dtr.materialize`` does, and hand out
-the managed tensor's own memory: the array (or capsule) holds that tensor, whose pin
-lasts as long as it does, so the memory is never evicted under it and writes through it
-reach the tensor, as in eager (an array over the plain view ``dtr.materialize`` returns
-would not hold the pin: that lasts as long as the managed tensor pinned, and in
-``t.detach().numpy()`` the detached one dies at once). Other tensors go to PyTorch's
-methods unchanged. ``data_ptr()`` still raises on an evicted value; code that keeps raw
-addresses must call ``dtr.materialize(t)`` first.
+dtr evicted the value (measured: a silently different array), and ``data_ptr()`` of an
+evicted value was an error. While a native session is open these methods are replaced
+on ``torch.Tensor`` (process-wide, put back at exit): on a managed tensor, ``tolist()``
+reads a copy of the value (recomputed if evicted, a ``READ`` in the trace), and
+``numpy()``/``__dlpack__()`` (``np.asarray`` and ``__array__`` call ``numpy()``) pin the
+tensor, as ``dtr.materialize`` does, and hand out the managed tensor's own memory: the
+array (or capsule) holds that tensor, whose pin lasts as long as it does, so the memory
+is never evicted under it and writes through it reach the tensor, as in eager (an array
+over the plain view ``dtr.materialize`` returns would not hold the pin: that lasts as
+long as the managed tensor pinned, and in ``t.detach().numpy()`` the detached one dies
+at once). ``data_ptr()`` pins too, so the address it returns holds for the tensor's
+life, as in eager. Other tensors go to PyTorch's methods unchanged; calls from C++ do
+not come here.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _saved: dict[str, object] = {}
 
 def _replacements(_C) -> dict:
     tolist, numpy, dlpack = torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__dlpack__
+    data_ptr = torch.Tensor.data_ptr
 
     def native_tolist(self):
         return tolist(_C.native_read(self) if _C.is_native(self) else self)
@@ -47,7 +49,17 @@ def _replacements(_C) -> dict:
             _C.native_materialize(self)  # the capsule holds this tensor, and so the pin
         return dlpack(self, *args, **kwargs)
 
-    return {"tolist": native_tolist, "numpy": native_numpy, "__dlpack__": native_dlpack}
+    def native_data_ptr(self):
+        if _C.is_native(self):
+            _C.native_materialize(self)  # the address holds for as long as the tensor
+        return data_ptr(self)
+
+    return {
+        "tolist": native_tolist,
+        "numpy": native_numpy,
+        "__dlpack__": native_dlpack,
+        "data_ptr": native_data_ptr,
+    }
 
 
 def install() -> None:

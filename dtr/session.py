@@ -9,7 +9,7 @@ import types
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import direct_reads
+from . import direct_reads, dlpack
 from .config import DTRConfig, resolve
 from .errors import ConfigError, DTRError
 from .runtime import Runtime
@@ -115,6 +115,7 @@ class Session:
             if native is not None and native._open is not None:
                 raise DTRError("dtr: dtr.native.enable() is active; the two engines do not nest")
             direct_reads.install()
+            dlpack.install()  # torch.to_dlpack of a managed tensor
             self._runtime = Runtime(self.config)
             try:
                 self._mode = _Mode(self._runtime)

@@ -111,6 +111,20 @@ class CheckpointTensor(torch.Tensor):
         # and recomputed without the write), as dtr.materialize does.
         return _plain(self, export=True).numpy(force=force)
 
+    def __dlpack__(self, *args, **kwargs):
+        # PyTorch's method would export the wrapper, whose memory is address 0 (reading the
+        # capsule crashed); the value is exported instead, pinned as numpy() pins it.
+        if self.requires_grad:  # PyTorch's check: the plain value does not require grad
+            raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+        return _plain(self, export=True).__dlpack__(*args, **kwargs)
+
+    def data_ptr(self) -> int:
+        # The wrapper's own is 0, which made every managed tensor look like every other
+        # to code that compares addresses. The value's address holds for the tensor's
+        # life only if the value is never evicted and rebuilt elsewhere: pinned, as
+        # numpy() pins it.
+        return _plain(self, export=True).data_ptr()
+
     def __repr__(self, *, tensor_contents=None):
         text = repr(_plain(self))
         suffix = ""
