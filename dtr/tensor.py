@@ -125,6 +125,12 @@ class CheckpointTensor(torch.Tensor):
         # numpy() pins it.
         return _plain(self, export=True).data_ptr()
 
+    def untyped_storage(self) -> torch.UntypedStorage:
+        # The wrapper's own storage has no memory: reading it through another tensor
+        # (torch.empty(0).set_(t.untyped_storage())) or share_memory_() (which goes
+        # through it) crashed the process. The value's storage, pinned as numpy() pins it.
+        return _plain(self, export=True).untyped_storage()
+
     def __repr__(self, *, tensor_contents=None):
         text = repr(_plain(self))
         suffix = ""

@@ -314,6 +314,22 @@ def test_data_ptr_is_the_values_address_for_the_tensors_life(core, engine):
         assert torch.equal(dtr.materialize(t), (x * 2).detach())
 
 
+def test_a_wrappers_storage_is_its_values(core):
+    # The wrapper's own storage has no memory: share_memory_() (which goes through it)
+    # and a plain tensor set_ on it crashed the process. Now the value's, pinned.
+    x = torch.randn(64, 64, requires_grad=True)
+    with dtr.enable(stress=True) as session:
+        t = (x * 2).detach()
+        storage = t.untyped_storage()
+        assert storage.data_ptr() == t.data_ptr() and storage.nbytes() == t.nbytes
+        alias = torch.empty(0).set_(storage).view(64, 64)
+        alias[0, 0] = 100.0
+        [t * k for k in range(3)]  # stress: everything evictable is evicted
+        assert (t + 0)[0, 0].item() == 100.0
+        assert t.share_memory_() is t and t.is_shared()
+        assert (t + 0)[0, 0].item() == 100.0 and session.stats().pinned_bytes >= t.nbytes
+
+
 def test_python_level_methods_inside_the_block(core):
     with dtr.enable(stress=True) as session:
         x = torch.arange(6.0, requires_grad=True)
