@@ -180,7 +180,7 @@ class Core {
   bool eligible(const PoolRec& p) const { return evictable(p) && p.nbytes >= min_evict_bytes; }
   void cand_add(int64_t pid, PoolRec& p);
   void cand_remove(PoolRec& p);
-  double score(int64_t pid, const PoolRec& p, double bound);
+  double score(int64_t pid, const PoolRec& p, double bound, double& cost);
   void pool_parents(int64_t pid, std::vector<int64_t>& out) const;
   void pool_children(int64_t pid, std::vector<int64_t>& out) const;
   double neighborhood(int64_t pid, bool up, bool down, double total, double denom, double bound,

@@ -557,57 +557,61 @@ class PyCore:
         return best
 
     def _best_of(self, pids: list[int]) -> int:
-        """The lowest-scoring evictable pool of pids, ties to the smallest pid (the
-        choice does not depend on the order of pids)."""
+        """The lowest-scoring evictable pool of pids. Ties go to the larger pool, then
+        the cheaper recomputation (the score's numerator), then the smallest pid, so the
+        choice does not depend on the order of pids (csrc/core.cpp says why)."""
         if self._h == 6:  # random: uniform over the candidates, in pid order
             ok = sorted(
                 {pid for pid in pids if self._eligible(self._P[pid])},
             )
             return ok[self._next_random() % len(ok)] if ok else -1
-        best, best_score = -1, math.inf
+        best, best_key = -1, None
         for pid in pids:
             p = self._P[pid]
             if not self._eligible(p):
                 continue
-            s = self._score(pid, p, best_score)
-            if best < 0 or s < best_score or (s == best_score and pid < best):
-                best, best_score = pid, s
+            s, cost = self._score(pid, p, best_key[0] if best_key else math.inf)
+            key = (s, -p.nbytes, cost, pid)
+            if best < 0 or key < best_key:
+                best, best_key = pid, key
         return best
 
     def _eligible(self, p: _Pool) -> bool:
         return self._evictable(p) and p.nbytes >= self.min_evict_bytes
 
-    def _score(self, pid: int, p: _Pool, bound: float) -> float:
-        """The pool's score; a neighbourhood walk stops once the score is known to be
-        > bound (it cannot win or tie then: costs are non-negative and float sums of
-        them only grow), which keeps the choice exact while skipping most of the walking."""
+    def _score(self, pid: int, p: _Pool, bound: float) -> tuple[float, float]:
+        """The pool's score and its cost term (1 for lru and size); a neighbourhood walk
+        stops once the score is known to be > bound (it cannot win or tie then: costs
+        are non-negative and float sums of them only grow), which keeps the choice exact
+        while skipping most of the walking."""
         h = self._h
         m = float(p.nbytes)
         stale = self.now - p.last_access
         if h == 4:  # size
-            return 1.0 / m if m > 0 else math.inf
+            return (1.0 / m if m > 0 else math.inf), 1.0
         if h == 5:  # msps: (c + evicted ancestors) / m, Capuchin
             if m <= 0:
-                return math.inf
+                return math.inf, 1.0
             c = self._neighborhood(pid, True, False, p.cost, m, bound)
-            return c / m
+            return c / m, c
         if h == 7:  # msps_sqrt: (c + evicted ancestors) / (m * sqrt(staleness)), ours
             if m <= 0 or stale <= 0:
-                return math.inf
+                return math.inf, 1.0
             denom = m * math.sqrt(stale)
-            return self._neighborhood(pid, True, False, p.cost, denom, bound) / denom
+            c = self._neighborhood(pid, True, False, p.cost, denom, bound)
+            return c / denom, c
         denom = m * stale
         if h == 3:  # lru
-            return 1.0 / stale if stale > 0 else math.inf
+            return (1.0 / stale if stale > 0 else math.inf), 1.0
         if denom <= 0:
-            return math.inf
+            return math.inf, 1.0
         if h == 0 or h == 8:  # dtr: exact evicted neighbourhood; dtr_held: held part
             c = self._neighborhood(pid, True, True, p.cost, denom, bound, h == 8)
         elif h == 1:  # dtr_eq: union-find classes of evicted neighbours
             c = p.cost + self._eq_neighbors(pid)
         else:  # dtr_local
             c = p.cost
-        return c / denom
+        return c / denom, c
 
     # ------------------------------------------------------------------ neighbourhoods
     def _pool_parents(self, pid: int) -> list[int]:
