@@ -29,7 +29,12 @@ _saved: dict[str, object] = {}
 
 def _replacements(_C) -> dict:
     tolist, numpy, dlpack = torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__dlpack__
-    data_ptr = torch.Tensor.data_ptr
+    data_ptr = torch.Tensor.data_ptr  # const_data_ptr is the same address
+    new, is_shared, share_memory_ = (
+        torch.Tensor.new,
+        torch.Tensor.is_shared,
+        torch.Tensor.share_memory_,
+    )
 
     def native_tolist(self):
         return tolist(_C.native_read(self) if _C.is_native(self) else self)
@@ -54,11 +59,39 @@ def _replacements(_C) -> dict:
             _C.native_materialize(self)  # the address holds for as long as the tensor
         return data_ptr(self)
 
+    def native_new(self, *args, **kwargs):
+        # The legacy constructor picks its backend from the tensor's dispatch keys, where
+        # a managed tensor has PrivateUse1: t.new() crashed the process, t.new(3) looked
+        # for a torch.privateuseone module. A plain tensor of the same dtype and device
+        # answers instead (the result is a new plain tensor either way).
+        if _C.is_native(self):
+            self = torch.empty(0, dtype=self.dtype, device=self.device)
+        return new(self, *args, **kwargs)
+
+    def native_is_shared(self):
+        # Reading an evicted value's storage aborted the process; an evicted value was
+        # never shared (share_memory_() pins it).
+        if _C.is_native(self):
+            try:
+                data_ptr(self)
+            except RuntimeError:  # dtr's "this tensor's value is evicted"
+                return False
+        return is_shared(self)
+
+    def native_share_memory_(self):
+        if _C.is_native(self):
+            _C.native_materialize(self)  # shared memory must stay where it is
+        return share_memory_(self)
+
     return {
+        "new": native_new,
+        "is_shared": native_is_shared,
+        "share_memory_": native_share_memory_,
         "tolist": native_tolist,
         "numpy": native_numpy,
         "__dlpack__": native_dlpack,
         "data_ptr": native_data_ptr,
+        "const_data_ptr": native_data_ptr,
     }
 
 

@@ -125,6 +125,9 @@ class CheckpointTensor(torch.Tensor):
         # numpy() pins it.
         return _plain(self, export=True).data_ptr()
 
+    def const_data_ptr(self) -> int:
+        return self.data_ptr()
+
     def untyped_storage(self) -> torch.UntypedStorage:
         # The wrapper's own storage has no memory: reading it through another tensor
         # (torch.empty(0).set_(t.untyped_storage())) or share_memory_() (which goes

@@ -167,7 +167,7 @@ def test_direct_reads_of_an_evicted_value_recompute_it():
         address = h[j].data_ptr()
         assert address != 0 and not _evicted(h[j])
         assert session.stats().pinned_bytes >= pinned + h[j].nbytes
-        [h[-1] * 2 for _ in range(4)]  # pressure: a pinned value stays where it is
+        # (that it stays there under pressure: test_runtime's data_ptr test, stress mode)
         assert h[j].data_ptr() == address and torch.equal(h[j].detach(), want[j])
 
 
@@ -176,7 +176,7 @@ def test_numpy_of_a_managed_tensor_pins_its_memory():
     # memory under the array (it then read reused memory: a silently different array).
     # The value is pinned instead, as dtr.materialize does; PyTorch's methods are put
     # back after the block.
-    names = ("tolist", "numpy", "__dlpack__", "data_ptr")
+    names = ("tolist", "numpy", "__dlpack__", "data_ptr", "const_data_ptr", "new", "is_shared")
     methods = {n: torch.Tensor.__dict__.get(n) for n in names}
     x = torch.randn(256, 256, requires_grad=True)
     with native.enable(budget=5 * 256 * 256 * 4 + 1000, heuristic="lru") as session:
@@ -194,6 +194,25 @@ def test_numpy_of_a_managed_tensor_pins_its_memory():
         assert (a == ref).all() and torch.equal(torch.from_dlpack(h.detach()), h.detach())
         del junk
     assert {n: torch.Tensor.__dict__.get(n) for n in methods} == methods
+
+
+@pytest.mark.parametrize("stress", [False, True])
+def test_legacy_new_and_shared_memory_of_a_managed_tensor(stress):
+    # t.new() crashed the process (the legacy constructor takes its backend from the
+    # tensor's dispatch keys, PrivateUse1 here) and t.new(3) looked for a module
+    # torch.privateuseone; is_shared() of an evicted value aborted it.
+    x = torch.randn(4, 5, requires_grad=True)
+    with native.enable(stress=stress):
+        t = (x * 2).detach()
+        assert native.is_managed(t)
+        for made, shape in ((t.new(), (0,)), (t.new(3), (3,)), (t.new([1.0, 2.0]), (2,))):
+            assert made.shape == shape and made.dtype == t.dtype and made.device == t.device
+        assert t.new([1.0, 2.0]).tolist() == [1.0, 2.0]
+        assert t.new_empty(3).shape == (3,)
+        assert not t.is_shared()
+        assert t.share_memory_() is t and t.is_shared()
+        [t * k for k in range(3)]  # stress: what can be evicted is; t is pinned
+        assert t.is_shared() and torch.equal(t.detach(), (x * 2).detach())
 
 
 def _evicted(t: torch.Tensor) -> bool:

@@ -306,7 +306,7 @@ def test_data_ptr_is_the_values_address_for_the_tensors_life(core, engine):
         t = (x * 2).detach()
         u = (x * 3).detach()
         p = t.data_ptr()
-        assert p != 0 and p != u.data_ptr()
+        assert p != 0 and p != u.data_ptr() and t.const_data_ptr() == p
         assert t[1:].data_ptr() == p + 64 * t.element_size()  # a view: the same memory
         [t * k for k in range(3)]  # stress: everything evictable is evicted
         assert t.data_ptr() == p  # pinned: never evicted and rebuilt elsewhere
