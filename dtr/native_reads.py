@@ -14,9 +14,16 @@ array (or capsule) holds that tensor, whose pin lasts as long as it does, so the
 is never evicted under it and writes through it reach the tensor, as in eager (an array
 over the plain view ``dtr.materialize`` returns would not hold the pin: that lasts as
 long as the managed tensor pinned, and in ``t.detach().numpy()`` the detached one dies
-at once). ``data_ptr()`` pins too, so the address it returns holds for the tensor's
-life, as in eager. Other tensors go to PyTorch's methods unchanged; calls from C++ do
-not come here.
+at once). ``data_ptr()``/``const_data_ptr()`` and ``share_memory_()`` pin too, so an
+address holds for the tensor's life, as in eager. Found by calling every
+``torch.Tensor`` method on a managed tensor against eager (sixth session): the legacy
+constructors ``new()``/``new_tensor()`` take their backend from the dispatch keys
+(PrivateUse1: a crash, or a missing ``torch.privateuseone`` module), so a plain tensor
+of the same dtype and device answers them; ``is_shared()`` of an evicted value aborted
+(it is ``False``: a shared value is pinned); ``apply_``/``map_``/``map2_`` loop over
+the memory (a write the engine did not see, lost at the next recomputation), so they
+run on a copy that ``copy_`` writes back, recorded. Other tensors go to PyTorch's
+methods unchanged; calls from C++ do not come here.
 """
 
 from __future__ import annotations
@@ -30,11 +37,7 @@ _saved: dict[str, object] = {}
 def _replacements(_C) -> dict:
     tolist, numpy, dlpack = torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__dlpack__
     data_ptr = torch.Tensor.data_ptr  # const_data_ptr is the same address
-    new, is_shared, share_memory_ = (
-        torch.Tensor.new,
-        torch.Tensor.is_shared,
-        torch.Tensor.share_memory_,
-    )
+    is_shared, share_memory_ = torch.Tensor.is_shared, torch.Tensor.share_memory_
 
     def native_tolist(self):
         return tolist(_C.native_read(self) if _C.is_native(self) else self)
@@ -59,14 +62,38 @@ def _replacements(_C) -> dict:
             _C.native_materialize(self)  # the address holds for as long as the tensor
         return data_ptr(self)
 
-    def native_new(self, *args, **kwargs):
-        # The legacy constructor picks its backend from the tensor's dispatch keys, where
-        # a managed tensor has PrivateUse1: t.new() crashed the process, t.new(3) looked
-        # for a torch.privateuseone module. A plain tensor of the same dtype and device
-        # answers instead (the result is a new plain tensor either way).
-        if _C.is_native(self):
-            self = torch.empty(0, dtype=self.dtype, device=self.device)
-        return new(self, *args, **kwargs)
+    def write_back(method: str):
+        # apply_/map_/map2_ run a Python function over the memory itself: a write the
+        # engine does not see (lost at the next recomputation), or an error on an evicted
+        # value. They run on a copy of the value, which a copy_ writes back, recorded.
+        original = getattr(torch.Tensor, method)
+
+        def run(self, *args):
+            if not _C.is_native(self) or self.requires_grad:  # (PyTorch's error, then)
+                return original(self, *args)
+            value = _C.native_read(self)
+            args = [
+                _C.native_read(a) if isinstance(a, torch.Tensor) and _C.is_native(a) else a
+                for a in args
+            ]
+            original(value, *args)
+            return self.copy_(value)
+
+        return run
+
+    def legacy_constructor(method: str):
+        # t.new(...) and t.new_tensor(...) pick their backend from the tensor's dispatch
+        # keys, where a managed tensor has PrivateUse1: t.new() crashed the process, the
+        # others looked for a torch.privateuseone module. A plain tensor of the same
+        # dtype and device answers instead (the result is a new plain tensor either way).
+        original = getattr(torch.Tensor, method)
+
+        def run(self, *args, **kwargs):
+            if _C.is_native(self):
+                self = torch.empty(0, dtype=self.dtype, device=self.device)
+            return original(self, *args, **kwargs)
+
+        return run
 
     def native_is_shared(self):
         # Reading an evicted value's storage aborted the process; an evicted value was
@@ -84,7 +111,11 @@ def _replacements(_C) -> dict:
         return share_memory_(self)
 
     return {
-        "new": native_new,
+        "apply_": write_back("apply_"),
+        "map_": write_back("map_"),
+        "map2_": write_back("map2_"),
+        "new": legacy_constructor("new"),
+        "new_tensor": legacy_constructor("new_tensor"),
         "is_shared": native_is_shared,
         "share_memory_": native_share_memory_,
         "tolist": native_tolist,

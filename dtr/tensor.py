@@ -134,6 +134,19 @@ class CheckpointTensor(torch.Tensor):
         # through it) crashed the process. The value's storage, pinned as numpy() pins it.
         return _plain(self, export=True).untyped_storage()
 
+    # apply_/map_/map2_ run a Python function over the memory itself, below dispatch:
+    # on the wrapper (address 0) apply_ crashed the process, and a write dtr does not
+    # see would be lost at the next recomputation. They run on a copy of the value,
+    # which a copy_ then writes back, recorded as any in-place op.
+    def apply_(self, callable):
+        return _write_back(self, "apply_", callable)
+
+    def map_(self, tensor, callable):
+        return _write_back(self, "map_", tensor, callable)
+
+    def map2_(self, x, y, callable):
+        return _write_back(self, "map2_", x, y, callable)
+
     def __repr__(self, *, tensor_contents=None):
         text = repr(_plain(self))
         suffix = ""
@@ -165,6 +178,18 @@ class CheckpointTensor(torch.Tensor):
     def decheckpoint(self) -> torch.Tensor:
         """The plain tensor behind this wrapper (see :func:`dtr.materialize`)."""
         return _plain(self)
+
+
+def _write_back(t: CheckpointTensor, method: str, *args) -> CheckpointTensor:
+    if t.requires_grad:  # PyTorch's check, which the plain copy would not make
+        raise RuntimeError(
+            f"Can't call {method}() on Variable that requires grad. "
+            f"Use var.detach().{method}() instead."
+        )
+    value = _plain(t).clone()
+    args = [_plain(a) if isinstance(a, CheckpointTensor) else a for a in args]
+    getattr(value, method)(*args)
+    return t.copy_(value)
 
 
 def _plain(t: CheckpointTensor, export: bool = False) -> torch.Tensor:

@@ -176,7 +176,7 @@ def test_numpy_of_a_managed_tensor_pins_its_memory():
     # memory under the array (it then read reused memory: a silently different array).
     # The value is pinned instead, as dtr.materialize does; PyTorch's methods are put
     # back after the block.
-    names = ("tolist", "numpy", "__dlpack__", "data_ptr", "const_data_ptr", "new", "is_shared")
+    names = ("tolist", "numpy", "__dlpack__", "data_ptr", "const_data_ptr", "new", "new_tensor")
     methods = {n: torch.Tensor.__dict__.get(n) for n in names}
     x = torch.randn(256, 256, requires_grad=True)
     with native.enable(budget=5 * 256 * 256 * 4 + 1000, heuristic="lru") as session:
@@ -196,11 +196,12 @@ def test_numpy_of_a_managed_tensor_pins_its_memory():
     assert {n: torch.Tensor.__dict__.get(n) for n in methods} == methods
 
 
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")  # as in eager
 @pytest.mark.parametrize("stress", [False, True])
 def test_legacy_new_and_shared_memory_of_a_managed_tensor(stress):
-    # t.new() crashed the process (the legacy constructor takes its backend from the
-    # tensor's dispatch keys, PrivateUse1 here) and t.new(3) looked for a module
-    # torch.privateuseone; is_shared() of an evicted value aborted it.
+    # t.new() crashed the process (the legacy constructors take their backend from the
+    # tensor's dispatch keys, PrivateUse1 here), t.new(3) and t.new_tensor(data) looked
+    # for a module torch.privateuseone; is_shared() of an evicted value aborted it.
     x = torch.randn(4, 5, requires_grad=True)
     with native.enable(stress=stress):
         t = (x * 2).detach()
@@ -208,6 +209,8 @@ def test_legacy_new_and_shared_memory_of_a_managed_tensor(stress):
         for made, shape in ((t.new(), (0,)), (t.new(3), (3,)), (t.new([1.0, 2.0]), (2,))):
             assert made.shape == shape and made.dtype == t.dtype and made.device == t.device
         assert t.new([1.0, 2.0]).tolist() == [1.0, 2.0]
+        assert t.new_tensor([1.0, 2.0]).tolist() == [1.0, 2.0]
+        assert torch.equal(t.new_tensor(t), (x * 2).detach())
         assert t.new_empty(3).shape == (3,)
         assert not t.is_shared()
         assert t.share_memory_() is t and t.is_shared()

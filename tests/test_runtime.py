@@ -330,6 +330,34 @@ def test_a_wrappers_storage_is_its_values(core):
         assert (t + 0)[0, 0].item() == 100.0 and session.stats().pinned_bytes >= t.nbytes
 
 
+@pytest.mark.parametrize("stress", [False, True])
+@pytest.mark.parametrize("engine", ["default", "native"])
+def test_python_functions_applied_in_place_are_writes_as_in_eager(core, engine, stress):
+    # apply_/map_/map2_ loop over the memory below dispatch: apply_ crashed the process
+    # on the default engine's wrapper; on the native engine a write dtr did not see was
+    # lost at the next recomputation, and an evicted value raised.
+    if engine == "native":
+        pytest.importorskip("dtr._C", reason="the native engine is C++")
+
+    def program():
+        x = torch.arange(6.0, requires_grad=True)
+        with pytest.raises(RuntimeError, match="apply_.. on Variable that requires grad"):
+            (x * 2).apply_(lambda v: v)
+        t = (x * 2).detach()
+        o = (x * 3).detach()
+        t.apply_(lambda v: v + 1)
+        u = x + 1  # another op: t may be evicted at its boundary
+        t.map_(o, lambda a, b: a * b)
+        t.map2_(o, u.detach(), lambda a, b, c: a - b + c)
+        return t.clone(), (t + o).sum().item()
+
+    want = program()
+    with dtr.enable(engine=engine, stress=stress):
+        got = program()
+        got = (dtr.materialize(got[0]), got[1])
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+
+
 def test_python_level_methods_inside_the_block(core):
     with dtr.enable(stress=True) as session:
         x = torch.arange(6.0, requires_grad=True)
