@@ -7,9 +7,11 @@ in the loss) and F.scaled_dot_product_attention (causal, dropout) with Adam and 
 warm-up schedule; a conv net with every normalization layer that keeps running
 statistics (BatchNorm with and without momentum, InstanceNorm tracking stats) plus
 GroupNorm and LayerNorm, gradient accumulation over micro-batches,
-``zero_grad(set_to_none=False)``, value clipping and a step schedule; and a bfloat16
-``torch.autocast`` model with AdamW. Every loop evaluates under ``model.eval()`` and
-``torch.no_grad()`` inside the block (the conv net then trains one more step).
+``zero_grad(set_to_none=False)``, value clipping and a step schedule; a bfloat16
+``torch.autocast`` model with AdamW; and blocks under ``torch.utils.checkpoint``
+(reentrant, non-reentrant, ``checkpoint_sequential``) with dropout. Every loop
+evaluates under ``model.eval()`` and ``torch.no_grad()`` inside the block (the conv net
+then trains one more step).
 
 The runs are those of ``tests/test_models.py``, under both engines (``dtr.enable`` and
 the native engine, ``dtr.native.enable``): eagerly, under dtr with no budget (which
@@ -405,6 +407,56 @@ def _mixed_train(model, data, run):
         _evaluate(run, model, data[0][0])
 
 
+class Checkpointed(nn.Module):
+    """Blocks under torch.utils.checkpoint, the three ways users call it: reentrant
+    (its forward runs under no_grad, so dtr leaves those tensors plain: memory dtr
+    cannot evict, which is why this case runs at 80% and 70% of P), non-reentrant
+    (saved-tensor hooks that recompute inside backward, under dtr) and
+    checkpoint_sequential; dropout inside, so checkpoint's RNG replay and dtr's meet."""
+
+    def __init__(self, depth: int, width: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.Dropout(0.1), nn.Tanh()) for _ in range(depth)
+        )
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+        if not self.training:  # as Hugging Face models do: evaluation runs plainly
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+        half = len(self.blocks) // 2
+        for k, block in enumerate(self.blocks[:half]):
+            x = checkpoint(block, x, use_reentrant=k % 2 == 1)
+        x = checkpoint_sequential(nn.Sequential(*self.blocks[half:]), 2, x, use_reentrant=False)
+        return self.head(x)
+
+
+def _checkpointed_build(small):
+    g = torch.Generator().manual_seed(9)
+    batch = 4 if small else 256
+    data = [
+        (torch.randn(batch, 64, generator=g), torch.randint(0, 10, (batch,), generator=g))
+        for _ in range(2)
+    ]
+    return Checkpointed(4 if small else 8, 64), data
+
+
+def _checkpointed_train(model, data, run):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    for x, y in data:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        record_grads(run, model)
+        opt.step()
+        opt.zero_grad()
+        run.losses.append(loss.item())
+    _evaluate(run, model, data[0][0])
+
+
 CASES = {
     case.name: case
     for case in (
@@ -413,6 +465,8 @@ CASES = {
         Case("attention", _attention_build, _attention_train),
         Case("norms", _norms_build, _norms_train),
         Case("autocast", _mixed_build, _mixed_train),
+        # Reentrant checkpointing's segment boundaries are plain (see Checkpointed).
+        Case("checkpointed", _checkpointed_build, _checkpointed_train, ratios=(0.8, 0.7)),
     )
 }
 
