@@ -28,6 +28,14 @@ import dtr
 from tests.utils import DEVICES, assert_matches, deterministic, eager_and_dtr, eager_chain_grad
 
 
+@pytest.fixture(params=["default", "native"])
+def engine(request) -> str:
+    """dtr.enable()'s engine; the native one needs the C++ extension."""
+    if request.param == "native":
+        pytest.importorskip("dtr._C", reason="the native engine is C++")
+    return request.param
+
+
 def _check(fn, device, **kwargs):
     """_run, then every value fn returned equals eager's (bitwise where exact)."""
     expected, got, stats, exact = eager_and_dtr(fn, device, **kwargs)
@@ -166,7 +174,6 @@ def test_data_dependent_item_and_tolist(device, core):
 
 
 @on_devices
-@pytest.mark.parametrize("engine", ["default", "native"])
 def test_ops_that_read_a_tensor_argument_in_cpp_get_its_value(device, core, engine, tmp_path):
     """tensor_split's indices and ctc_loss's lengths are read by PyTorch's composite
     kernels through data_ptr() before any op reaches dtr (dtr/direct_reads.py; the native
@@ -175,10 +182,8 @@ def test_ops_that_read_a_tensor_argument_in_cpp_get_its_value(device, core, engi
     same recomputations."""
     from dtr import sim
 
-    if engine == "native":
-        pytest.importorskip("dtr._C", reason="the native engine is C++")
-        if device != "cpu":
-            pytest.skip("the native engine runs on the CPU")
+    if engine == "native" and device != "cpu":
+        pytest.skip("the native engine runs on the CPU")
 
     def fn():
         x = torch.randn(10, 4, device=device, requires_grad=True)
@@ -231,14 +236,11 @@ def test_tracing_tensor_split_after_a_session(core):
 
 
 @pytest.mark.parametrize("stress", [False, True])
-@pytest.mark.parametrize("engine", ["default", "native"])
 def test_a_numpy_array_aliases_the_tensor_as_in_eager(core, engine, stress):
     # t.numpy() shares memory with t: a write through the array is seen by the tensor,
     # an in-place op on the tensor by the array, whatever dtr evicts and recomputes in
     # between (stress: everything, after every op). The native engine pins the value
     # (dtr/native_reads.py).
-    if engine == "native":
-        pytest.importorskip("dtr._C", reason="the native engine is C++")
 
     def program():
         x = torch.arange(6.0, requires_grad=True)
@@ -268,15 +270,12 @@ EXPORTERS = {
 
 
 @pytest.mark.parametrize("stress", [False, True])
-@pytest.mark.parametrize("engine", ["default", "native"])
 @pytest.mark.parametrize("export", list(EXPORTERS))
 def test_a_dlpack_capsule_shares_the_tensors_memory_as_in_eager(core, engine, stress, export):
     # DLPack hands out the memory itself. On the default engine's wrapper (address 0)
     # every route crashed the process or read garbage; the native engine's value could
     # be evicted under the capsule. Now the value is pinned, as numpy() pins it
     # (dtr/dlpack.py, CheckpointTensor.__dlpack__, dtr/native_reads.py).
-    if engine == "native":
-        pytest.importorskip("dtr._C", reason="the native engine is C++")
 
     def program():
         x = torch.arange(6.0, requires_grad=True)
@@ -295,12 +294,9 @@ def test_a_dlpack_capsule_shares_the_tensors_memory_as_in_eager(core, engine, st
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
-@pytest.mark.parametrize("engine", ["default", "native"])
 def test_data_ptr_is_the_values_address_for_the_tensors_life(core, engine):
     # The default engine's wrapper answered 0 for every managed tensor (code comparing
     # addresses saw them all alias); the native engine raised for an evicted value.
-    if engine == "native":
-        pytest.importorskip("dtr._C", reason="the native engine is C++")
     x = torch.randn(64, 64, requires_grad=True)
     with dtr.enable(engine=engine, stress=True) as session:
         t = (x * 2).detach()
@@ -331,13 +327,10 @@ def test_a_wrappers_storage_is_its_values(core):
 
 
 @pytest.mark.parametrize("stress", [False, True])
-@pytest.mark.parametrize("engine", ["default", "native"])
 def test_python_functions_applied_in_place_are_writes_as_in_eager(core, engine, stress):
     # apply_/map_/map2_ loop over the memory below dispatch: apply_ crashed the process
     # on the default engine's wrapper; on the native engine a write dtr did not see was
     # lost at the next recomputation, and an evicted value raised.
-    if engine == "native":
-        pytest.importorskip("dtr._C", reason="the native engine is C++")
 
     def program():
         x = torch.arange(6.0, requires_grad=True)
@@ -379,13 +372,10 @@ FUNCTIONAL = {
 }
 
 
-@pytest.mark.parametrize("engine", ["default", "native"])
 @pytest.mark.parametrize("transform", list(FUNCTIONAL))
 def test_function_transforms_of_managed_tensors_match_eager(core, engine, transform):
     # torch.func's transforms wrap tensors in functorch's own (batched, gradient) levels;
     # a managed tensor below them must read and recompute as any other.
-    if engine == "native":
-        pytest.importorskip("dtr._C", reason="the native engine is C++")
 
     def program():
         torch.manual_seed(0)
