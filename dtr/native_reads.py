@@ -22,8 +22,10 @@ constructors ``new()``/``new_tensor()`` take their backend from the dispatch key
 of the same dtype and device answers them; ``is_shared()`` of an evicted value aborted
 (it is ``False``: a shared value is pinned); ``apply_``/``map_``/``map2_`` loop over
 the memory (a write the engine did not see, lost at the next recomputation), so they
-run on a copy that ``copy_`` writes back, recorded. Other tensors go to PyTorch's
-methods unchanged; calls from C++ do not come here.
+run on a copy that ``copy_`` writes back, recorded; ``__reduce_ex__`` (``torch.save``,
+pickle) and ``__deepcopy__`` read a copy of the value, as ``tolist()``, where they
+failed on an evicted one. Other tensors go to PyTorch's methods unchanged; calls from
+C++ do not come here.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def _replacements(_C) -> dict:
     tolist, numpy, dlpack = torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__dlpack__
     data_ptr = torch.Tensor.data_ptr  # const_data_ptr is the same address
     is_shared, share_memory_ = torch.Tensor.is_shared, torch.Tensor.share_memory_
+    reduce_ex, deepcopy = torch.Tensor.__reduce_ex__, torch.Tensor.__deepcopy__
 
     def native_tolist(self):
         return tolist(_C.native_read(self) if _C.is_native(self) else self)
@@ -95,6 +98,26 @@ def _replacements(_C) -> dict:
 
         return run
 
+    def native_reduce_ex(self, protocol):
+        # torch.save, pickle: a copy of the value (recomputed if evicted; it read the
+        # memory directly and failed on an evicted value), as the default engine's
+        # wrapper reduces to its plain value.
+        if not _C.is_native(self):
+            return reduce_ex(self, protocol)
+        value = _C.native_read(self)
+        if self.requires_grad and self.is_leaf:
+            value.requires_grad_(True)
+        return value.__reduce_ex__(protocol)
+
+    def native_deepcopy(self, memo):
+        if not _C.is_native(self):
+            return deepcopy(self, memo)
+        value = _C.native_read(self)  # already a copy of its own
+        if self.requires_grad and self.is_leaf:
+            value.requires_grad_(True)
+        memo[id(self)] = value
+        return value
+
     def native_is_shared(self):
         # Reading an evicted value's storage aborted the process; an evicted value was
         # never shared (share_memory_() pins it).
@@ -114,6 +137,8 @@ def _replacements(_C) -> dict:
         "apply_": write_back("apply_"),
         "map_": write_back("map_"),
         "map2_": write_back("map2_"),
+        "__reduce_ex__": native_reduce_ex,
+        "__deepcopy__": native_deepcopy,
         "new": legacy_constructor("new"),
         "new_tensor": legacy_constructor("new_tensor"),
         "is_shared": native_is_shared,

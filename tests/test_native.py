@@ -7,7 +7,10 @@ usable after the block, and what it does not serve refused by name."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import io
 import json
+import pickle
 import re
 import threading
 
@@ -176,7 +179,9 @@ def test_numpy_of_a_managed_tensor_pins_its_memory():
     # memory under the array (it then read reused memory: a silently different array).
     # The value is pinned instead, as dtr.materialize does; PyTorch's methods are put
     # back after the block.
-    names = ("tolist", "numpy", "__dlpack__", "data_ptr", "const_data_ptr", "new", "new_tensor")
+    names = ("tolist", "numpy", "__dlpack__", "data_ptr", "const_data_ptr", "new")
+    names += ("new_tensor", "is_shared", "share_memory_", "apply_", "map_", "map2_")
+    names += ("__reduce_ex__", "__deepcopy__")
     methods = {n: torch.Tensor.__dict__.get(n) for n in names}
     x = torch.randn(256, 256, requires_grad=True)
     with native.enable(budget=5 * 256 * 256 * 4 + 1000, heuristic="lru") as session:
@@ -216,6 +221,24 @@ def test_legacy_new_and_shared_memory_of_a_managed_tensor(stress):
         assert t.share_memory_() is t and t.is_shared()
         [t * k for k in range(3)]  # stress: what can be evicted is; t is pinned
         assert t.is_shared() and torch.equal(t.detach(), (x * 2).detach())
+
+
+def test_save_pickle_and_deepcopy_of_an_evicted_value():
+    # They read the memory directly and failed on an evicted value; now a copy of the
+    # value, recomputed, as the default engine's wrapper reduces to its plain value.
+    x = torch.randn(16, 16, requires_grad=True)
+    want = (x * 2).tanh().detach()
+    with native.enable(stress=True):
+        t = (x * 2).tanh()
+        d = t.detach()
+        assert _evicted(t)
+        buf = io.BytesIO()
+        torch.save({"t": t, "d": d}, buf)
+        buf.seek(0)
+        loaded = torch.load(buf)
+        for copied in (loaded["t"], loaded["d"], pickle.loads(pickle.dumps(d)), copy.deepcopy(d)):
+            assert type(copied) is torch.Tensor and not native.is_managed(copied)
+            assert torch.equal(copied.detach(), want)
 
 
 def _evicted(t: torch.Tensor) -> bool:
