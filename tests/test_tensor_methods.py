@@ -1,4 +1,4 @@
-"""Every torch.Tensor method, called on a managed tensor, against eager.
+"""Every torch.Tensor method and attribute, on a managed tensor, against eager.
 
 Methods that PyTorch implements below dispatch (C loops over a tensor's memory, legacy
 constructors, storage access) see a managed tensor as it really is: the default
@@ -48,9 +48,10 @@ def _value(r):
         return ("tensor", r.shape, r.dtype, torch.from_numpy(r.copy()))
     if isinstance(r, (list, tuple)):
         return tuple(_value(x) for x in r)
-    if callable(r) or type(r).__module__.startswith("torch"):
-        return ("object", type(r).__name__)
-    return ("value", r)
+    plain_values = (int, float, bool, complex, str, type(None), torch.Size, torch.dtype)
+    if isinstance(r, plain_values + (torch.device, torch.layout)):
+        return ("value", r)
+    return ("object", type(r).__name__)  # grad_fn, storages, capsules: compared by type
 
 
 def _same(a, b) -> bool:
@@ -111,4 +112,46 @@ def test_every_tensor_method_matches_eager_on_a_managed_tensor(engine):
                 if not _same(want, got):
                     differ.append(f"{name}: a different result")
     assert called > 300  # the sweep really ran
+    assert not differ, "\n".join(differ)
+
+
+# Attributes (properties and plain data) that are the wrapper's own by design.
+OWN_ATTRIBUTES = {"__annotations__", "__dict__", "__doc__", "__module__", "_cdata",
+                  "_python_dispatch"}  # fmt: skip
+ATTRIBUTES = sorted(
+    n
+    for n in dir(torch.Tensor)
+    if not callable(getattr(torch.Tensor, n, None)) and n not in OWN_ATTRIBUTES
+)
+
+
+def _attribute(name: str):
+    torch.manual_seed(0)
+    x = torch.randn(4, 5, requires_grad=True)
+    return _value(getattr(x * 2, name))  # a managed non-leaf, with a grad_fn
+
+
+@pytest.mark.parametrize("engine", ["default", "native"])
+def test_every_tensor_attribute_matches_eager_on_a_managed_tensor(engine):
+    # .T, .mT, .H, .data, .grad_fn, .is_leaf, .itemsize, .nbytes, .real, ...
+    if engine == "native":
+        pytest.importorskip("dtr._C", reason="the native engine is C++")
+    differ = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = {}
+        for name in ATTRIBUTES:
+            try:
+                expected[name] = ("ok", _attribute(name))
+            except Exception as e:
+                expected[name] = ("error", type(e).__name__)
+        with dtr.enable(engine=engine, stress=True):
+            for name, want in expected.items():
+                try:
+                    got = ("ok", _attribute(name))
+                except Exception as e:
+                    got = ("error", type(e).__name__)
+                if want[0] != got[0] or (want[0] == "ok" and not _same(want[1], got[1])):
+                    differ.append(f"{name}: {str(want)[:80]} against {str(got)[:80]}")
+    assert len(expected) > 40
     assert not differ, "\n".join(differ)
