@@ -389,6 +389,35 @@ def test_function_transforms_of_managed_tensors_match_eager(core, engine, transf
     assert torch.equal(got, want)
 
 
+def test_tensor_and_module_hooks_run_as_in_eager(core, engine):
+    # Hooks see and change values dtr evicts and recomputes: a tensor hook scaling a
+    # gradient, retain_grad on an activation, forward and forward-pre hooks that
+    # replace outputs and inputs, full backward and backward-pre hooks.
+    def program():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6)])
+        seen = []
+        model[1].register_forward_hook(lambda m, i, o: o * 0.5)
+        model[2].register_forward_pre_hook(lambda m, i: (i[0] + 1,))
+        model[3].register_full_backward_hook(lambda m, gi, go: (gi[0] * 2,))
+        model[4].register_full_backward_pre_hook(lambda m, go: (go[0] * 0.25,))
+        x = torch.randn(16, 32, requires_grad=True)
+        h = model[0](x)
+        h.register_hook(lambda g: g * 3)
+        h.retain_grad()
+        out = model[1:](h)
+        out.register_hook(lambda g: seen.append(g.sum().item()))
+        out.square().sum().backward()
+        return [p.grad for p in model.parameters()] + [x.grad, h.grad, torch.tensor(seen)]
+
+    want = program()
+    with dtr.enable(engine=engine, stress=True) as session:
+        got = program()
+    assert session.stats().evictions > 0
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_python_level_methods_inside_the_block(core):
     with dtr.enable(stress=True) as session:
         x = torch.arange(6.0, requires_grad=True)
