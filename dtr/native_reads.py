@@ -37,9 +37,8 @@ _saved: dict[str, object] = {}
 
 
 def _replacements(_C) -> dict:
-    tolist, numpy, dlpack = torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__dlpack__
-    data_ptr = torch.Tensor.data_ptr  # const_data_ptr is the same address
-    is_shared, share_memory_ = torch.Tensor.is_shared, torch.Tensor.share_memory_
+    tolist, numpy, data_ptr = torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.data_ptr
+    is_shared = torch.Tensor.is_shared
     reduce_ex, deepcopy = torch.Tensor.__reduce_ex__, torch.Tensor.__deepcopy__
 
     def native_tolist(self):
@@ -55,15 +54,18 @@ def _replacements(_C) -> dict:
         # array's memory, and its aliasing with the tensor) for as long as the array lives.
         return numpy(self)
 
-    def native_dlpack(self, *args, **kwargs):
-        if _C.is_native(self):
-            _C.native_materialize(self)  # the capsule holds this tensor, and so the pin
-        return dlpack(self, *args, **kwargs)
+    def pinning(method: str):
+        # Methods that hand out the memory itself (a capsule, an address, shared memory):
+        # the managed tensor is pinned first, resident for as long as it lives, so what
+        # they handed out is never evicted under its holder.
+        original = getattr(torch.Tensor, method)
 
-    def native_data_ptr(self):
-        if _C.is_native(self):
-            _C.native_materialize(self)  # the address holds for as long as the tensor
-        return data_ptr(self)
+        def run(self, *args, **kwargs):
+            if _C.is_native(self):
+                _C.native_materialize(self)
+            return original(self, *args, **kwargs)
+
+        return run
 
     def write_back(method: str):
         # apply_/map_/map2_ run a Python function over the memory itself: a write the
@@ -98,24 +100,24 @@ def _replacements(_C) -> dict:
 
         return run
 
-    def native_reduce_ex(self, protocol):
-        # torch.save, pickle: a copy of the value (recomputed if evicted; it read the
-        # memory directly and failed on an evicted value), as the default engine's
-        # wrapper reduces to its plain value.
-        if not _C.is_native(self):
-            return reduce_ex(self, protocol)
+    def plain_copy(self) -> torch.Tensor:
+        # A copy of the value (recomputed if evicted), a leaf that requires grad as self
+        # is one: what the default engine's wrapper reduces and deep-copies to.
         value = _C.native_read(self)
         if self.requires_grad and self.is_leaf:
             value.requires_grad_(True)
-        return value.__reduce_ex__(protocol)
+        return value
+
+    def native_reduce_ex(self, protocol):
+        # torch.save, pickle: they read the memory directly (an evicted value failed).
+        if not _C.is_native(self):
+            return reduce_ex(self, protocol)
+        return plain_copy(self).__reduce_ex__(protocol)
 
     def native_deepcopy(self, memo):
         if not _C.is_native(self):
             return deepcopy(self, memo)
-        value = _C.native_read(self)  # already a copy of its own
-        if self.requires_grad and self.is_leaf:
-            value.requires_grad_(True)
-        memo[id(self)] = value
+        memo[id(self)] = value = plain_copy(self)
         return value
 
     def native_is_shared(self):
@@ -128,11 +130,6 @@ def _replacements(_C) -> dict:
                 return False
         return is_shared(self)
 
-    def native_share_memory_(self):
-        if _C.is_native(self):
-            _C.native_materialize(self)  # shared memory must stay where it is
-        return share_memory_(self)
-
     return {
         "apply_": write_back("apply_"),
         "map_": write_back("map_"),
@@ -142,12 +139,12 @@ def _replacements(_C) -> dict:
         "new": legacy_constructor("new"),
         "new_tensor": legacy_constructor("new_tensor"),
         "is_shared": native_is_shared,
-        "share_memory_": native_share_memory_,
+        "share_memory_": pinning("share_memory_"),
         "tolist": native_tolist,
         "numpy": native_numpy,
-        "__dlpack__": native_dlpack,
-        "data_ptr": native_data_ptr,
-        "const_data_ptr": native_data_ptr,
+        "__dlpack__": pinning("__dlpack__"),
+        "data_ptr": pinning("data_ptr"),
+        "const_data_ptr": pinning("const_data_ptr"),
     }
 
 
