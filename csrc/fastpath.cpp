@@ -263,8 +263,14 @@ FastPath::Scan FastPath::scan(const OpInfo& op, PyObject* args, PyObject* kwargs
       leaf.tid = get(leaf.node, s_tid_).cast<int64_t>();
       sc.managed = true;
     } else {
+      // another subclass (a FakeTensor under torch.export's tracing) goes to handle()
+      if (Py_TYPE(a) != reinterpret_cast<PyTypeObject*>(THPVariableClass) &&
+          Py_TYPE(a) != reinterpret_cast<PyTypeObject*>(parameter_type_.ptr())) {
+        sc.simple = false;
+        return;
+      }
       const at::Tensor& t = THPVariable_Unpack(a);
-      if (t.layout() != c10::kStrided || !t.has_storage()) {
+      if (t.layout() != c10::kStrided || !t.has_storage() || t.is_meta()) {
         sc.simple = false;
         return;
       }

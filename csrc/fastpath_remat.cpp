@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <chrono>
+#include <optional>
 #include <vector>
 
 #include "fastpath_impl.h"
@@ -78,11 +79,15 @@ py::object FastPath::replay(const py::object& rec, const std::vector<int64_t>& s
   const Py_ssize_t n = PyList_GET_SIZE(inputs.ptr());
   std::vector<py::object> vals(n);
   PyTypeObject* stand_in = reinterpret_cast<PyTypeObject*>(stand_in_type_.ptr());
+  bool sparse = false;  // it reads a sparse constant (dtr/recipe.py, sparse_kernels)
   for (Py_ssize_t k = 0; k < n; ++k) {
     py::handle x(PyList_GET_ITEM(inputs.ptr(), k));
     if (THPVariable_Check(x.ptr())) {
       const at::Tensor& t = THPVariable_Unpack(x.ptr());
-      if (t.numel() != 0 && t.storage().nbytes() == 0)  // freed outside dtr's view
+      sparse = sparse || t.layout() != c10::kStrided;
+      // freed outside dtr's view (a sparse constant: dtr/storage_keys.py checks its parts)
+      if (t.layout() == c10::kStrided ? t.numel() != 0 && t.storage().nbytes() == 0
+                                      : py::cast<bool>(storage_freed_(x)))
         throw_from(recipe_freed_, get(rec, s_facts_).attr("name"), x);
       vals[k] = py::reinterpret_borrow<py::object>(x);
     } else if (Py_TYPE(x.ptr()) == stand_in) {
@@ -97,8 +102,11 @@ py::object FastPath::replay(const py::object& rec, const std::vector<int64_t>& s
     void* key = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry.ptr(), 2));
     if (PyErr_Occurred()) throw py::error_already_set();
     const at::Tensor& t = THPVariable_Unpack(vals[k].ptr());
-    if (t.storage().unsafeGetStorageImpl() != key)  // swapped in with no op (`p.data =`)
-      throw_from(recipe_replaced_, get(rec, s_facts_).attr("name"), vals[k]);
+    // swapped in with no op (`p.data =`); a sparse constant is named by itself
+    const void* now = t.layout() == c10::kStrided
+                          ? static_cast<const void*>(t.storage().unsafeGetStorageImpl())
+                          : static_cast<const void*>(t.unsafeGetTensorImpl());
+    if (now != key) throw_from(recipe_replaced_, get(rec, s_facts_).attr("name"), vals[k]);
     if (version >= 0 && t._version() != version)  // written behind dtr
       throw_from(recipe_written_, get(rec, s_facts_).attr("name"), vals[k]);
   }
@@ -156,6 +164,8 @@ py::object FastPath::replay(const py::object& rec, const std::vector<int64_t>& s
   {
     Replaying rng(captured);  // rng.replaying(rec.rng)
     at::AutoGradMode grad(get(rec, s_grad_).cast<bool>());
+    std::optional<c10::impl::ExcludeDispatchKeyGuard> no_bump;
+    if (sparse) no_bump.emplace(c10::DispatchKey::ADInplaceOrView);
     PyObject* raw = PyObject_Call(op.op.ptr(), real_args.ptr(), kwargs.ptr());
     if (raw != nullptr) {
       out = py::reinterpret_steal<py::object>(raw);

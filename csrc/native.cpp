@@ -175,6 +175,29 @@ struct Out {     // where a recipe's core output comes from
   int64_t slot;  // a new version: the index in `slots` of the argument written in place
 };
 
+// The sparse layouts whose plain tensors a recipe may read, and the parts whose storages
+// hold such a tensor's memory, each a constant of what reads it (dtr/storage_keys.py).
+bool is_sparse_layout(const at::Tensor& t) {
+  const c10::Layout l = t.layout();
+  return l == c10::kSparse || l == c10::kSparseCsr || l == c10::kSparseCsc ||
+         l == c10::kSparseBsr || l == c10::kSparseBsc;
+}
+
+std::vector<at::Tensor> sparse_parts(const at::Tensor& t) {
+  switch (t.layout()) {
+    case c10::kSparse:
+      return {t._indices(), t._values()};
+    case c10::kSparseCsr:
+    case c10::kSparseBsr:
+      return {t.crow_indices(), t.col_indices(), t.values()};
+    case c10::kSparseCsc:
+    case c10::kSparseBsc:
+      return {t.ccol_indices(), t.row_indices(), t.values()};
+    default:
+      return {};
+  }
+}
+
 // A plain tensor a recipe reads, as it was when recorded. What can happen to it with no op
 // the engine sees: a write (another thread: its version moves), `p.data = new` or
 // Module.half() (its storage is swapped), FSDP2's reshard (its storage resized to 0).
@@ -419,6 +442,10 @@ struct Engine : std::enable_shared_from_this<Engine> {
     dtr::invalidate(core, seeds, [&](int64_t t) { rematerialize(t); }, [&] { drain(); });
   }
   void writes_to_plain(const at::Tensor& t) {
+    if (t.layout() != c10::kStrided) {  // a sparse tensor: its parts (dtr/storage_keys.py)
+      for (const at::Tensor& p : sparse_parts(t)) writes_to_plain(p);
+      return;
+    }
     const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
     auto it = const_tid.find(s);
     if (it != const_tid.end() && core.has_consumers(it->second)) invalidate({it->second});
@@ -1008,6 +1035,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   try {
     // inputs: managed ones locked and rebuilt if evicted; plain ones registered as constants
     std::vector<int64_t> tids(leaves.size(), -1);
+    std::vector<int64_t> part_tids;                 // a sparse input's parts after its first
     std::vector<at::Tensor> passed(leaves.size());  // what the kernel gets
     if (facts.meta_only) {
       // empty_like(x) and kin (Runtime._run_meta_only): x's value is neither read nor kept,
@@ -1025,7 +1053,16 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     for (size_t k = 0; k < leaves.size(); ++k) {
       Leaf& l = leaves[k];
       if (facts.meta_only || l.native) continue;
-      if (l.tensor.defined() && !is_written(l.arg)) tids[k] = e.constant(l.tensor, fresh);
+      if (l.tensor.defined() && !is_written(l.arg)) {
+        if (l.tensor.layout() == c10::kStrided) {
+          tids[k] = e.constant(l.tensor, fresh);
+        } else {  // a sparse tensor: each part's storage is a constant
+          const std::vector<at::Tensor> parts = sparse_parts(l.tensor);
+          tids[k] = e.constant(parts[0], fresh);
+          for (size_t q = 1; q < parts.size(); ++q)
+            part_tids.push_back(e.constant(parts[q], fresh));
+        }
+      }
       passed[k] = l.tensor;
     }
     for (size_t k = 0; k < leaves.size(); ++k) {
@@ -1158,7 +1195,8 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         int64_t src = -1;  // the last input sharing its storage (a managed tensor shares
                            // its value's)
         for (size_t k = leaves.size(); k-- > 0;)
-          if (passed[k].defined() && passed[k].storage().unsafeGetStorageImpl() == s) {
+          if (passed[k].defined() && passed[k].has_storage() &&
+              passed[k].storage().unsafeGetStorageImpl() == s) {
             src = static_cast<int64_t>(k);
             break;
           }
@@ -1224,6 +1262,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
           rec.plain.emplace_back(leaves[k].tensor);
         }
       }
+      inputs.insert(inputs.end(), part_tids.begin(), part_tids.end());
       if (gen) {
         inputs.push_back(e.constant(rng_state, fresh));
         rec.gen = gen;
@@ -1311,10 +1350,11 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   throw err;
 }
 
-// The boxed fallback: serve(), its refusals raised as dtr's errors.
-void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+// f(), the engine's refusals raised as dtr's errors.
+template <typename F>
+void with_python_errors(F&& f) {
   try {
-    serve(op, stack);
+    f();
   } catch (const BudgetExceeded& b) {
     raise_python("BudgetError", b.what());
   } catch (const Unsupported& u) {
@@ -1322,32 +1362,77 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   }
 }
 
+// The boxed fallback.
+void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  with_python_errors([&] { serve(op, stack); });
+}
+
 // Ops on sparse, sparse CSR, quantized or nested tensors reach these keys while the
-// session's key is included. The default engine leaves such tensors alone, and so does
-// this one: the op runs on plain values; a managed tensor among its arguments is refused
-// (dtr does not manage a sparse tensor's parts).
+// session's key is included. dtr manages no such tensor's parts, as in the default engine:
+// an op that only reads plain sparse tensors (a graph's adjacency in torch.sparse.mm) is
+// served like any other, the sparse ones constants of its recipe (dtr/storage_keys.py);
+// a sparse result stays plain, and a managed value it is built on (the values of an
+// embedding's sparse gradient) is pinned, since eviction would free memory the result
+// holds. Other ops run on plain values as they are, after what reads the memory they
+// write is invalidated (`adj.mul_(2)` while a recipe reads adj); with a managed tensor
+// among their arguments they are refused.
 void other_layout_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet,
                            torch::jit::Stack* stack) {
   const size_t n = op.schema().arguments().size();
   const size_t begin = stack->size() - n;
   std::shared_ptr<Engine> eng = active();
-  bool managed = false;
+  const bool open = eng && eng->open;
+  const OpFacts& facts = facts_of(op);
+  auto is_written = [&](size_t i) {
+    return std::find(facts.written.begin(), facts.written.end(), i) != facts.written.end();
+  };
+  std::vector<at::Tensor> managed;
   std::vector<std::pair<size_t, int64_t>> foreign;
+  bool servable = !facts.meta_only;  // every other-layout argument sparse and only read
+  std::vector<at::Tensor> written_plain;
   for_each_tensor(stack, begin, n, [&](size_t i, int64_t j, const at::Tensor& t) {
     NativeImpl* impl = as_native(t);
-    if (impl == nullptr) return;
-    if (eng && impl->eng_ == eng && eng->open)
-      managed = true;
-    else
-      foreign.emplace_back(i, j);  // after the block, or another session's: plain values
+    if (impl != nullptr) {
+      if (open && impl->eng_ == eng)
+        managed.push_back(t);
+      else
+        foreign.emplace_back(i, j);  // after the block, or another session's: plain values
+      return;
+    }
+    if (!t.defined()) return;
+    const bool other = t.layout() != c10::kStrided || t.is_quantized() || t.is_nested();
+    if (other && (!is_sparse_layout(t) || is_written(i))) servable = false;
+    if (is_written(i)) written_plain.push_back(t);
   });
-  if (managed)
+  if (servable) {
+    with_python_errors([&] {
+      serve(op, stack);
+      const size_t nret = op.schema().returns().size();
+      for (size_t r = stack->size() - nret; r < stack->size() && !managed.empty(); ++r) {
+        if (!(*stack)[r].isTensor()) continue;
+        const at::Tensor& out = (*stack)[r].toTensor();
+        if (!out.defined() || !is_sparse_layout(out)) continue;
+        for (const at::Tensor& part : sparse_parts(out))
+          for (const at::Tensor& m : managed)
+            if (part.storage().unsafeGetStorageImpl() == m.storage().unsafeGetStorageImpl())
+              export_value(*eng, m);
+      }
+    });
+    return;
+  }
+  if (!managed.empty())
     raise_python("UnsupportedError",
                  ("dtr: " + py_name(op.schema()) +
-                  " mixes a managed tensor with a non-strided (sparse or nested) one, which dtr "
-                  "does not support; dtr.materialize() the managed tensor first")
+                  " mixes a managed tensor with a non-strided (sparse or nested) one that dtr "
+                  "cannot record (nested, quantized, or a sparse tensor it writes); "
+                  "dtr.materialize() the managed tensor first")
                      .c_str());
   for (auto [i, j] : foreign) replace_with_plain(stack, begin + i, j);
+  if (open && !written_plain.empty()) {
+    std::lock_guard<std::recursive_mutex> g(eng->mu);
+    eng->flush();
+    for (const at::Tensor& t : written_plain) eng->writes_to_plain(t);
+  }
   Engine::call_below(op, stack, at::GradMode::is_enabled());
 }
 

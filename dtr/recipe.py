@@ -8,11 +8,14 @@ constant; never a wrapper, so a recipe does not keep a program's handle alive.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import rng
 from .call import substitute
 from .errors import UnsupportedError
+from .storage_keys import freed, storage_key
 from .tensor import Node
 
 # An output spec is (return index, list index) for a tensor the op returned, or
@@ -69,7 +72,7 @@ class Recipe:
         # keeps each constant's storage alive, so a key is not reused while a recipe
         # holds it.
         self.versions = tuple(
-            (k, -1 if x.is_inference() else x._version, x.untyped_storage()._cdata)
+            (k, -1 if x.is_inference() else x._version, storage_key(x))
             for k, x in enumerate(inputs)
             if isinstance(x, torch.Tensor)  # a Node is not one
         )
@@ -85,12 +88,15 @@ class Recipe:
             x.value if type(x) is Node else x.get() if type(x) is StandIn else x
             for x in self.inputs
         ]
+        sparse = False
         for x in self.inputs:
-            if isinstance(x, torch.Tensor) and x.numel() and not x.untyped_storage().nbytes():
-                raise freed_error(self.facts.name, x)
+            if isinstance(x, torch.Tensor):
+                if freed(x):
+                    raise freed_error(self.facts.name, x)
+                sparse = sparse or x.layout is not torch.strided
         for k, version, key in self.versions:
             x = self.inputs[k]
-            if x.untyped_storage()._cdata != key:
+            if storage_key(x) != key:
                 raise replaced_error(self.facts.name, x)
             if version >= 0 and x._version != version:
                 raise written_error(self.facts.name, x)
@@ -99,7 +105,11 @@ class Recipe:
             if k not in in_place:
                 vals[k] = copy_preserving_layout(vals[k])
         args, kwargs = substitute(self.args, self.kwargs, self.where, vals)
-        with rng.replaying(self.rng), torch.set_grad_enabled(self.grad):
+        with (
+            rng.replaying(self.rng),
+            torch.set_grad_enabled(self.grad),
+            sparse_kernels() if sparse else contextlib.nullcontext(),
+        ):
             try:
                 out = self.func(*args, **kwargs)
             except torch.OutOfMemoryError as exc:
@@ -115,6 +125,19 @@ class Recipe:
             else:
                 produced.append(rets[i] if j < 0 else rets[i][j])
         return produced
+
+
+def sparse_kernels():
+    """Where a recipe that reads a sparse constant replays its op. Replays run below
+    autograd, and there PyTorch's sparse compressed kernels bump their input's version
+    counter (measured: `torch.mm(csr.t(), dense)` bumps `csr`'s by 3 under
+    `torch.inference_mode()` or below autograd, by 0 in plain eager) with no change to
+    its value. Autograd, which saved that tensor for a backward that has not run yet,
+    would then refuse it as modified in place. With the ADInplaceOrView key excluded,
+    as it is when the op first runs, the kernel bumps nothing."""
+    return torch._C._ExcludeDispatchKeyGuard(
+        torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+    )
 
 
 def _input_error(name: str, t: torch.Tensor, what: str) -> UnsupportedError:

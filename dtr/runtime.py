@@ -19,6 +19,7 @@ import time
 import types
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import cost as _cost
@@ -35,6 +36,7 @@ from .recipe import VERSION_SPEC, Recipe, StandIn, copy_preserving_layout
 from .reserve import OutputSizes
 from .schema import OpFacts, op_facts
 from .steps import StepTracker
+from .storage_keys import SPARSE_LAYOUTS, freed, parts, storage_key
 from .tensor import CheckpointTensor, Node, Ref, _serials
 from .timeline import Recorder
 from .trace import TraceWriter
@@ -91,7 +93,7 @@ class _Op:
         self.snaps: dict[int, tuple[torch.Tensor, int]] = {}  # leaf -> (snapshot, its tid)
         self.captured = None  # RNG state to replay
         self.cost = 0.0
-        self.extra: list[int] = []  # core inputs beyond the leaves (the RNG state)
+        self.extra: list[int] = []  # core inputs beyond the leaves (RNG state, sparse parts)
         self.fresh: list[int] = []  # constants first registered for this call
         self.held: list[int] = []  # older constants it reads, held while it invalidates
         self.inputs: list[int] | None = None  # the core inputs of the recorded recipe
@@ -209,22 +211,31 @@ class Runtime(Driver):
                 self._flush()
             facts = op_facts(func)
             call = Call(facts, args, kwargs)
-            managed = strided = False
+            managed = meta = False
+            other = None  # a non-strided leaf: sparse, nested, mkldnn
             for t in call.leaves:
                 if type(t) is CheckpointTensor or isinstance(t, CheckpointTensor):
                     if t._dtr_ref.runtime is not self:
                         return self.handle(func, *_unwrap_foreign(call, self))
                     managed = True
-                elif t.layout != torch.strided:
-                    strided = True  # sparse, nested, ...: dtr leaves these alone
-            if strided:
-                if managed:
-                    raise UnsupportedError(
-                        f"dtr: {facts.name} mixes a managed tensor with a non-strided "
-                        "(sparse or nested) one, which dtr does not support; "
-                        "dtr.materialize() the managed tensor first"
-                    )
+                elif t.layout != torch.strided and (other is None or other in SPARSE_LAYOUTS):
+                    other = t.layout
+                else:
+                    meta = meta or t.is_meta or isinstance(t, FakeTensor)
+            if meta and not managed:
+                # Meta and fake tensors hold no memory and have nothing to recompute.
+                # torch.export's tracing runs ops on FakeTensors through dtr's mode:
+                # managed, they counted phantom bytes against the budget, and a failed
+                # block's close() could not read their values back ("Cannot copy out of
+                # meta tensor").
                 return func(*args, **kwargs)
+            if other is not None and (
+                other not in SPARSE_LAYOUTS or self._writes_sparse(facts, call)
+            ):
+                return self._run_other_layout(func, facts, call, managed, other, args, kwargs)
+            # (dtr manages no sparse tensor's parts; a sparse tensor an op only reads, a
+            # graph's adjacency in torch.sparse.mm, is a constant of its recipe:
+            # dtr/storage_keys.py)
             if managed and facts.collective:
                 return self._run_collective(func, facts, call)
             special = _SPECIAL.get(func)
@@ -263,8 +274,13 @@ class Runtime(Driver):
                 node = t._dtr_ref.node
                 op.nodes[k] = node
                 op.tids[k] = node.tid
-            else:
+            elif t.layout is torch.strided:
                 op.tids[k] = self._constant(t, op.fresh)
+                op.vals[k] = t
+            else:  # a sparse tensor: each part's storage is a constant
+                first, *rest = parts(t)
+                op.tids[k] = self._constant(first, op.fresh)
+                op.extra.extend(self._constant(p, op.fresh) for p in rest)
                 op.vals[k] = t
         if writes:
             op.written = [k for k in range(n) if call.positions[k] in writes]
@@ -468,7 +484,7 @@ class Runtime(Driver):
             if o.layout != torch.strided or i in op.facts.plain_returns:
                 continue  # a sparse result, or metadata kernels read: stays plain
             if keys is None:
-                keys = {v.untyped_storage()._cdata: k for k, v in enumerate(op.vals)}
+                keys = {storage_key(v): k for k, v in enumerate(op.vals)}
             storage = o.untyped_storage()
             key = storage._cdata
             src = keys.get(key, -1)
@@ -756,11 +772,38 @@ class Runtime(Driver):
             self.trace.invalidate([self._label(t) for t in seeds])
         super().invalidate(seeds)
 
+    def _writes_sparse(self, facts: OpFacts, call: Call) -> bool:
+        writes = facts.writes
+        return bool(writes) and any(
+            call.positions[k] in writes and t.layout != torch.strided
+            for k, t in enumerate(call.leaves)
+        )
+
+    def _run_other_layout(self, func, facts, call, managed, layout, args, kwargs):
+        """An op dtr does not record: one with a nested (or other non-strided, non-sparse)
+        argument, or one that writes a sparse tensor. On plain tensors it runs as it is,
+        after what reads the memory it writes is invalidated (`adj.mul_(2)` while a
+        recipe reads adj)."""
+        if managed:
+            raise UnsupportedError(
+                f"dtr: {facts.name} "
+                + (
+                    "writes to a sparse tensor with a managed one among its arguments"
+                    if layout in SPARSE_LAYOUTS
+                    else f"mixes a managed tensor with a {layout} one"
+                )
+                + ", which dtr does not support; dtr.materialize() the managed tensor first"
+            )
+        writes = facts.writes
+        if writes and facts.view_inplace is None:
+            self._writes_to_plain(call, writes)
+        return func(*args, **kwargs)
+
     def _writes_to_plain(self, call: Call, writes) -> None:
         for k, t in enumerate(call.leaves):
             if call.positions[k] in writes:
-                key = t.untyped_storage()._cdata
-                self._writes_to_plain_leaf(t, self.storages.get(key, -1))
+                for p in parts(t):
+                    self._writes_to_plain_leaf(p, self.storages.get(storage_key(p), -1))
 
     def _writes_to_plain_leaf(self, t: torch.Tensor, tid: int) -> None:
         """A plain tensor is about to be written: recipes that read its old value become
@@ -1112,6 +1155,8 @@ _FAST_TYPES = types.SimpleNamespace(
     recipe_replaced=_recipe.replaced_error,
     StandIn=StandIn,
     copy_preserving_layout=copy_preserving_layout,
+    storage_freed=freed,
+    Parameter=torch.nn.Parameter,
 )
 
 
