@@ -17,7 +17,10 @@ from torch import nn
 
 import dtr
 
-pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta"),
+    pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled"),
+]
 
 
 @pytest.fixture(params=["default", "native"])
