@@ -11,6 +11,8 @@ and SparseAdam's sparse update to a parameter was a write dtr did not see.
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 import torch
 from torch import nn
@@ -200,3 +202,24 @@ def test_a_product_of_plain_tensors_autograd_needs_is_managed(engine):
     assert managed
     assert session.stats().remats > 0
     assert torch.equal(got, want.detach()) and torch.equal(weight.grad, want_grad)
+
+
+def test_the_gcn_benchmark_runs_and_reports_what_it_measured(tmp_path):
+    # bench/sparse_gcn.py at test size: eager and dtr rows for both layouts; the budget
+    # point fits (below eager's memory) or is reported infeasible, never raised.
+    from bench import sparse_gcn
+
+    out = tmp_path / "gcn.csv"
+    sparse_gcn.main(
+        ["--nodes", "1000", "--depth", "8", "--width", "32", "--steps", "1"]
+        + ["--fractions", "0.8", "--out", str(out)]
+    )
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["layout"], r["method"]) for r in rows] == [
+        (layout, method)
+        for layout in ("csr", "coo")
+        for method in ("eager", "dtr no budget", "dtr 0.8 x P")
+    ]
+    csr_budget = rows[2]
+    assert csr_budget["peak_mib"] != "infeasible" and float(csr_budget["peak_vs_eager"]) < 1
+    assert int(csr_budget["evictions"]) > 0
