@@ -31,6 +31,7 @@ from ._pycore import NEW, VERSION, VIEW
 from .call import Call, rebuild_returns, returns_of, substitute
 from .config import DTRConfig
 from .errors import BudgetError, DTRError, InternalError, UnsupportedError
+from .fresh import FACTORIES, FreshFactories
 from .protocol import Driver
 from .recipe import VERSION_SPEC, Recipe, StandIn, copy_preserving_layout
 from .reserve import OutputSizes
@@ -137,6 +138,7 @@ class Runtime(Driver):
         self.trace = TraceWriter(config.trace, config) if config.trace else None
         self.timeline = Recorder(config.timeline) if config.timeline else None
         self.sizes = OutputSizes()
+        self.fresh = FreshFactories()  # zeros(...) and kin made in the block (dtr/fresh.py)
         # the session's peak_bytes and max_bytes before the last take_step_peak()
         self.peak_carry = self.max_carry = 0
         # (peak, max transient) when close() lifted the budget: materializing what the
@@ -192,7 +194,12 @@ class Runtime(Driver):
         # An op that returns a fresh tensor besides what it writes needs a snapshot of
         # the written value for its recipe (_prepare_writes): handle()'s.
         writes_managed = not special and bool(facts.writes) and not facts.fresh_returns
-        if facts.collective or facts.hidden_writes is not None or func in _SPECIAL:
+        if (
+            facts.collective
+            or facts.hidden_writes is not None
+            or func in _SPECIAL
+            or func in FACTORIES  # handle() remembers what they make
+        ):
             plain = _PLAIN_NO
         elif facts.writes:
             plain = _PLAIN_WRITE if facts.view_inplace is None else _PLAIN_NO
@@ -248,6 +255,10 @@ class Runtime(Driver):
                 if writes and facts.view_inplace is None:  # t_() and kin change no data
                     self._writes_to_plain(call, writes)
                     return func(*args, **kwargs)
+                if func in FACTORIES:
+                    out = func(*args, **kwargs)
+                    self.fresh.remember(out, func, args, kwargs)
+                    return out
                 # meta-only ops (zeros_like(p)...) make values no gradient flows from:
                 # optimizer state made outside no_grad (Adagrad's) stays plain
                 if facts.view or facts.meta_only or not _wants_management(call):
@@ -269,11 +280,17 @@ class Runtime(Driver):
         core = self.core
         op = _Op(func, facts, call)
         n = len(call.leaves)
+        sparse = any(t.layout in SPARSE_LAYOUTS for t in call.leaves)
+        adopted = []  # managed stand-ins for fresh factory outputs, held during the op
         for k, t in enumerate(call.leaves):
             if isinstance(t, CheckpointTensor):
                 node = t._dtr_ref.node
                 op.nodes[k] = node
                 op.tids[k] = node.tid
+            elif sparse and (made := self._fresh_stand_in(t, call, k, writes)) is not None:
+                adopted.append(made)
+                op.nodes[k] = made._dtr_ref.node
+                op.tids[k] = op.nodes[k].tid
             elif t.layout is torch.strided:
                 op.tids[k] = self._constant(t, op.fresh)
                 op.vals[k] = t
@@ -319,7 +336,8 @@ class Runtime(Driver):
                     exc, func, real_args, real_kwargs, not op.written, op.captured
                 )
             op.cost = _perf() - start
-            if self.model_cost or not (op.vals[0].is_cpu and _first_cpu(out)):
+            cpu = (not op.vals or op.vals[0].is_cpu) and _first_cpu(out)  # (a factory: none)
+            if self.model_cost or not cpu:
                 # On an accelerator the wall time around an asynchronous kernel is its
                 # launch only, so the deterministic model stands in (dtr/cost.py); a
                 # copy between devices counts as on the accelerator either way.
@@ -771,6 +789,19 @@ class Runtime(Driver):
         if self.trace is not None:
             self.trace.invalidate([self._label(t) for t in seeds])
         super().invalidate(seeds)
+
+    def _fresh_stand_in(self, t, call: Call, k: int, writes):
+        """A managed copy of t, made by the factory call that made t, if t is a factory's
+        untouched output that this op (one with a sparse operand, always served here)
+        only reads; else None (dtr/fresh.py)."""
+        if t.layout is not torch.strided or (writes and call.positions[k] in writes):
+            return None
+        made = self.fresh.call_for(t)
+        if made is None:
+            return None
+        func, args, kwargs = made
+        facts = op_facts(func)
+        return self._run(func, facts, Call(facts, args, kwargs), ())
 
     def _writes_sparse(self, facts: OpFacts, call: Call) -> bool:
         writes = facts.writes
