@@ -280,17 +280,19 @@ class Runtime(Driver):
         core = self.core
         op = _Op(func, facts, call)
         n = len(call.leaves)
-        sparse = any(t.layout in SPARSE_LAYOUTS for t in call.leaves)
-        adopted = []  # managed stand-ins for fresh factory outputs, held during the op
+        # managed stand-ins for fresh factory outputs, made (and held) before any constant
+        # is registered for this op, which an error in between would leave held
+        adopted = {}
+        if any(t.layout in SPARSE_LAYOUTS for t in call.leaves):
+            for k, t in enumerate(call.leaves):
+                made = self._fresh_stand_in(t, call, k, writes)
+                if made is not None:
+                    adopted[k] = made
         for k, t in enumerate(call.leaves):
-            if isinstance(t, CheckpointTensor):
-                node = t._dtr_ref.node
+            if isinstance(t, CheckpointTensor) or k in adopted:
+                node = (t if k not in adopted else adopted[k])._dtr_ref.node
                 op.nodes[k] = node
                 op.tids[k] = node.tid
-            elif sparse and (made := self._fresh_stand_in(t, call, k, writes)) is not None:
-                adopted.append(made)
-                op.nodes[k] = made._dtr_ref.node
-                op.tids[k] = op.nodes[k].tid
             elif t.layout is torch.strided:
                 op.tids[k] = self._constant(t, op.fresh)
                 op.vals[k] = t
@@ -794,7 +796,11 @@ class Runtime(Driver):
         """A managed copy of t, made by the factory call that made t, if t is a factory's
         untouched output that this op (one with a sparse operand, always served here)
         only reads; else None (dtr/fresh.py)."""
-        if t.layout is not torch.strided or (writes and call.positions[k] in writes):
+        if (
+            isinstance(t, CheckpointTensor)
+            or t.layout is not torch.strided
+            or (writes and call.positions[k] in writes)
+        ):
             return None
         made = self.fresh.call_for(t)
         if made is None:
