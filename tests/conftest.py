@@ -42,6 +42,14 @@ def core(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["default", "native"])
+def engine(request) -> str:
+    """dtr.enable()'s engine; the native one needs the C++ extension."""
+    if request.param == "native":
+        pytest.importorskip("dtr._C", reason="the native engine is C++")
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     for name in DTR_ENV:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dtr
+from tests.utils import assert_bitwise, eager_and_dtr
 
 PROGRAMS = {}
 
@@ -854,27 +855,14 @@ def model_built_and_deepcopied_inside():
     return [out.detach()] + grads(m) + grads(m2)
 
 
-@pytest.fixture(params=["default", "native"])
-def engine(request) -> str:
-    if request.param == "native":
-        pytest.importorskip("dtr._C", reason="the native engine is C++")
-    return request.param
-
-
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_program_matches_eager_in_stress_mode(name, engine):
-    fn = PROGRAMS[name]
-    torch.manual_seed(0)
-    want = fn()
-    torch.manual_seed(0)
-    with dtr.enable(engine=engine, stress=True) as session:
-        got = [dtr.materialize(t) for t in fn()]
-    assert session.stats().remats > 0
+    want, got, stats, _ = eager_and_dtr(PROGRAMS[name], "cpu", engine=engine, stress=True)
+    assert stats.remats > 0
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
-        assert a.dtype == b.dtype and a.shape == b.shape, i
-        assert torch.equal(a, b), f"value {i} differs"
+        assert_bitwise(a, b, f"value {i}")
 
 
 def _nested_jagged():

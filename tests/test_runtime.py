@@ -28,14 +28,6 @@ import dtr
 from tests.utils import DEVICES, assert_matches, deterministic, eager_and_dtr, eager_chain_grad
 
 
-@pytest.fixture(params=["default", "native"])
-def engine(request) -> str:
-    """dtr.enable()'s engine; the native one needs the C++ extension."""
-    if request.param == "native":
-        pytest.importorskip("dtr._C", reason="the native engine is C++")
-    return request.param
-
-
 def _check(fn, device, **kwargs):
     """_run, then every value fn returned equals eager's (bitwise where exact)."""
     expected, got, stats, exact = eager_and_dtr(fn, device, **kwargs)

@@ -25,13 +25,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(params=["default", "native"])
-def engine(request) -> str:
-    if request.param == "native":
-        pytest.importorskip("dtr._C", reason="the native engine is C++")
-    return request.param
-
-
 def _adjacency(n: int, layout) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     dense = torch.rand(n, n, generator=g) * (torch.rand(n, n, generator=g) < 0.05)
