@@ -9,6 +9,11 @@ the paper's simulator reached.
 
     python -m bench.simulate                    # prototype traces + recorded bench models
     python -m bench.simulate --no-record        # prototype traces only
+
+The bench models' traces and those of seven held-out models (``bench/heldout.py``:
+programs our heuristics were not chosen on) are recorded first, under
+``bench/results/traces/``; the table of issue 3's rule for a heuristic of our own shows
+the held-out ones apart.
 """
 
 from __future__ import annotations
@@ -26,10 +31,14 @@ from dtr.plot import overhead_vs_budget
 
 from .common import RESULTS, print_table, write_csv
 from .harness import record_traces
+from .heldout import record_heldout
 
 RATIOS = sim.SWEEP_RATIOS
 # Our own heuristics, each shown against the paper's h_DTR (`dtr`) in the summary table.
-OURS = ("msps_sqrt", "dtr_held")
+OURS = ("msps_sqrt", "dtr_held", "dtr_held34")
+# Issue 3's rule for a heuristic of our own: a strictly lower smallest feasible ratio than
+# h_DTR on at least this many traces, and at most this much more overhead on any.
+RULE_LOWER, RULE_LOSS = 4, 0.05
 
 # What the paper's own simulator reached on these traces (issue 3, measured by running
 # it): smallest feasible ratio on the 0.05 grid for h_DTR / h_DTR^eq / h_MSPS, and the
@@ -210,11 +219,74 @@ def max_loss(rows, trace: str, ours: str, base: str) -> float:
     )
 
 
+def rule(rows, ours: str, traces: list[str]) -> tuple[list[list], int, float, list[str]]:
+    """Issue 3's rule for ours against dtr on traces: one row per trace (smallest
+    feasible ratios, ratios dtr reaches and ours does not, largest overhead loss), how
+    many traces ours reaches strictly lower, its largest loss, and the traces where it
+    reaches less than dtr (a higher smallest ratio or a lost ratio)."""
+    table, lower, worst, short = [], 0, -math.inf, []
+    for trace in traces:
+        base, mine = (smallest_feasible(rows, trace, h) for h in ("dtr", ours))
+        status = {
+            (r["heuristic"], r["ratio"]): r["status"] == "ok" for r in rows if r["trace"] == trace
+        }
+        lost = [x for (h, x), ok in status.items() if h == "dtr" and ok and not status[(ours, x)]]
+        loss = max_loss(rows, trace, ours, "dtr")
+        lower += mine < base
+        worst = max(worst, loss)
+        if lost or mine > base:
+            short.append(trace)
+        table.append(
+            [
+                trace,
+                ours,
+                f"{base:.2f}",
+                f"{mine:.2f}" + (" (lower)" if mine < base else ""),
+                " ".join(f"{x:.2f}" for x in sorted(lost)) or "-",
+                f"{loss * 100:+.1f}%",
+            ]
+        )
+    return table, lower, worst, short
+
+
+def print_rule(rows, traces: list[str], heuristics: list[str]) -> list[list]:
+    """Prints the rule's verdict and table per heuristic of ours and trace group; returns
+    the tables' rows, each led by its group."""
+    out = []
+    heldout = [t for t in traces if t.startswith("held-out ")]
+    chosen = [t for t in traces if t not in heldout]
+    header = ["trace", "heuristic", "dtr min", "ours min", "lost ratios", "max loss vs dtr"]
+    for ours in (h for h in OURS if h in heuristics):
+        for group, names in (("sweep", chosen), ("held-out models", heldout)):
+            if not names:
+                continue
+            table, lower, worst, short = rule(rows, ours, names)
+            if group == "sweep":
+                met = lower >= RULE_LOWER and worst <= RULE_LOSS and not short
+                verdict = f"{'meets' if met else 'does not meet'} the rule (lower on >= "
+                verdict += f"{RULE_LOWER}, loss <= {RULE_LOSS * 100:.0f}%, never short)"
+            else:  # does what it was chosen for carry over: no loss beyond the rule's?
+                held = worst <= RULE_LOSS and not short
+                verdict = f"{'holds' if held else 'does not hold'} here (loss <= "
+                verdict += f"{RULE_LOSS * 100:.0f}%, never short)"
+            print(
+                f"\n{ours} against dtr, {group} ({len(names)} traces): strictly lower on "
+                f"{lower}, largest loss {worst * 100:+.1f}%, short of dtr on "
+                f"{', '.join(short) or 'none'}: {verdict}"
+            )
+            print_table(header, table)
+            out += [[group] + row for row in table]
+    return out
+
+
+RULE_HEADER = ["group", "trace", "heuristic", "dtr min", "ours min", "lost ratios", "max loss"]
+
+
 def scan_holes(traces, engine: str) -> None:
     """Feasibility holes on a fine grid: budgets that fail while a smaller one succeeds
     (reported for DTR in 2026)."""
     fine = tuple(round(1.0 - 0.01 * i, 2) for i in range(96))
-    heuristics = ["dtr", "dtr_held", "dtr_eq", "msps"]
+    heuristics = ["dtr", "dtr_held", "dtr_held34", "dtr_eq", "msps"]
     rows = sweep(traces, heuristics, fine, engine)
     table = []
     for label, _ in traces:
@@ -237,10 +309,15 @@ def scan_holes(traces, engine: str) -> None:
 
 def speed(rows) -> list[list]:
     """Simulated trace ops per second, one run at a time: the median over all runs of a
-    heuristic (every trace and ratio), and its slowest run."""
+    heuristic (every trace and ratio but the held-out models': those traces are so short
+    that each run's fixed costs would set the median), and its slowest run."""
     out = []
     for heuristic in sorted({r["heuristic"] for r in rows}):
-        mine = [r for r in rows if r["heuristic"] == heuristic]
+        mine = [
+            r
+            for r in rows
+            if r["heuristic"] == heuristic and not r["trace"].startswith("held-out ")
+        ]
         rates = sorted(r["ops"] / r["seconds"] for r in mine if r["seconds"] > 0)
         out.append(
             [heuristic, f"{rates[len(rates) // 2]:,.0f}", f"{max(r['seconds'] for r in mine):.2f}"]
@@ -262,7 +339,7 @@ def main(argv=None) -> None:
         "--holes",
         action="store_true",
         help="instead: scan ratios 1.00 .. 0.05 in steps of 0.01 for "
-        "feasibility holes (dtr, dtr_held, dtr_eq, msps; bench/results/holes.csv)",
+        "feasibility holes (dtr, dtr_held, dtr_held34, dtr_eq, msps; bench/results/holes.csv)",
     )
     args = parser.parse_args(argv)
     if args.holes:
@@ -273,6 +350,7 @@ def main(argv=None) -> None:
         print(f"no prototype traces in {args.traces}; continuing with ours")
     if not args.no_record:
         traces += record_traces(args.models, os.path.join(RESULTS, "traces"))
+        traces += record_heldout(os.path.join(RESULTS, "traces", "heldout"))
     if not traces:
         parser.error(f"nothing to simulate: no prototype traces in {args.traces}, and --no-record")
     start = time.perf_counter()
@@ -315,6 +393,10 @@ def main(argv=None) -> None:
             ],
             vs_simrd,
         )
+    if "dtr" in args.heuristics:
+        rule_rows = print_rule(rows, [label for label, _ in traces], args.heuristics)
+        rule_csv = os.path.join(os.path.dirname(args.out), "own_heuristic.csv")
+        write_csv(rule_csv, RULE_HEADER, rule_rows)
     print()
     print_table(["heuristic", "median ops/s", "slowest run (s)"], speed(rows))
     print(f"\n{len(rows)} runs in {seconds:.1f} s; wrote {args.out} and {plots}/")

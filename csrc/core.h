@@ -30,6 +30,7 @@ enum Heuristic : int {
   kRandom = 6,
   kMSPSSqrt = 7,
   kDTRHeld = 8,
+  kDTRHeld34 = 9,
 };
 
 const std::vector<std::string>& heuristic_names();

@@ -35,6 +35,7 @@ HEURISTICS = (
     "random",
     "msps_sqrt",
     "dtr_held",
+    "dtr_held34",
 )
 # What dtr.enable() evicts by when no heuristic is given: the paper's h_DTR with the
 # neighbourhood the program still holds (README "Heuristics" gives the measurements).
@@ -599,6 +600,13 @@ class PyCore:
                 return math.inf, 1.0
             denom = m * math.sqrt(stale)
             c = self._neighborhood(pid, True, False, p.cost, denom, bound)
+            return c / denom, c
+        if h == 9:  # dtr_held34: dtr_held with staleness^(3/4), ours
+            if m <= 0 or stale <= 0:
+                return math.inf, 1.0
+            root = math.sqrt(stale)
+            denom = m * (root * math.sqrt(root))  # as the C++ core rounds it
+            c = self._neighborhood(pid, True, True, p.cost, denom, bound, True)
             return c / denom, c
         denom = m * stale
         if h == 3:  # lru

@@ -246,7 +246,7 @@ def enable(budget: object = None, heuristic: str | None = None, **options) -> Se
             tensor and evicts nothing.
         heuristic: which tensor to evict, one of ``dtr.HEURISTICS``: "dtr_held" (the
             default, or ``DTR_HEURISTIC``), "dtr" (the paper's), "dtr_eq", "dtr_local",
-            "lru", "size", "msps", "msps_sqrt" or "random".
+            "lru", "size", "msps", "msps_sqrt", "dtr_held34" or "random".
         **options: ``stress=True`` evicts every evictable tensor after every op (a
             testing mode that makes every reuse a recomputation); ``seed`` for the
             random heuristic; ``min_evict_bytes`` never evicts smaller pools;

@@ -123,7 +123,7 @@ def test_heuristics_are_within_10_percent_of_the_optimum_where_scores_tie(chain_
     budget = int(sim.peak(prog) * 0.4)
     s = cm.solve(g, budget, time_limit=300)
     assert s.status == "optimal"
-    for h in ("dtr", "dtr_eq", "dtr_held", "msps"):
+    for h in ("dtr", "dtr_eq", "dtr_held", "dtr_held34", "msps"):
         res = sim.simulate(prog, h, budget=budget, thrash=0)
         assert res.status == "ok"
         assert res.overhead <= 1.1 * s.overhead + 1e-9, (h, res.overhead, s.overhead)

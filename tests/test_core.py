@@ -95,6 +95,37 @@ def test_msps_sqrt_weighs_staleness_by_its_square_root(Core, b_cost, victims):
         assert evicted == [want], heuristic
 
 
+@pytest.mark.parametrize(
+    "b_cost, victims",
+    [
+        # As above (A: cost 3, staleness 9; B: staleness 0.5), x size: dtr_held c/s: A
+        # 0.33, B 0.6 or 1.0; dtr_held34 c/s^0.75: A 0.577, B 0.505 or 0.841; msps_sqrt
+        # A 1.0, B 0.42 or 0.71. Between linear and square-root staleness.
+        (0.3, {"dtr_held": "a", "dtr_held34": "b", "msps_sqrt": "b"}),
+        (0.5, {"dtr_held": "a", "dtr_held34": "a", "msps_sqrt": "b"}),
+    ],
+)
+def test_dtr_held34_weighs_staleness_by_its_three_quarter_power(Core, b_cost, victims):
+    for heuristic, want in victims.items():
+        core = Core(heuristic, 350)
+        (a,) = core.record([], 3.0, [NEW], [-1], [100])  # now 3
+        (f,) = core.record([], 8.5 - b_cost, [NEW], [-1], [100])
+        (b,) = core.record([], b_cost, [NEW], [-1], [100])  # now 11.5
+        (g,) = core.record([], 0.5, [NEW], [-1], [100])  # now 12: A 9 old, B 0.5
+        core.lock(f)
+        core.lock(g)
+        assert core.make_room(0)
+        evicted = [name for name, t in (("a", a), ("b", b)) if not core.is_materialized(t)]
+        assert evicted == [want], heuristic
+
+
+@pytest.mark.parametrize("heuristic", ["dtr_held", "dtr_held34"])
+def test_dtr_held34_keeps_dtr_helds_neighbourhood(Core, heuristic):
+    # The released-descendant case below, at equal staleness (the exponent cancels):
+    # both leave d2 out of e*(x), so x (2) goes before y (4).
+    test_dtr_held_skips_released_descendants_below_the_children(Core, heuristic, "x")
+
+
 @pytest.mark.parametrize("heuristic", ["dtr", "dtr_eq", "dtr_held", "dtr_local"])
 def test_a_tie_goes_to_the_cheaper_recomputation(Core, heuristic):
     # a: cost 4, staleness 4; b: cost 1, staleness 1; equal sizes: both score exactly
