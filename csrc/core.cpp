@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <stdexcept>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 
@@ -73,7 +74,7 @@ int64_t Core::new_tensor(int64_t pool, int64_t recipe, int64_t ext, bool mat) {
     tensors_.emplace_back();
   }
   TensorRec& t = tensors_[tid];
-  t = TensorRec();
+  reset(t);
   t.pool = pool;
   t.recipe = recipe;
   t.ext = ext;
@@ -99,7 +100,7 @@ int64_t Core::new_pool(int64_t nbytes, bool resident, bool constant) {
     adj_.emplace_back();
   }
   PoolRec& p = pools_[pid];
-  p = PoolRec();
+  reset(p);
   p.nbytes = nbytes;
   p.resident = resident;
   p.constant = constant;
@@ -134,16 +135,41 @@ void Core::add_resident(int64_t nbytes) {
 }
 
 void Core::pool_cost(PoolRec& p) {
-  std::vector<int64_t> seen;
+  // Summed in member order (the Python twin's order: the same float result). Recipes are
+  // marked by epoch rather than collected: a pool with many views was quadratic, and
+  // this runs for every output of every op.
+  if (recipe_mark_.size() < recipes_.size()) recipe_mark_.resize(recipes_.size(), 0);
+  const uint64_t mark = ++recipe_epoch_;
   double cost = 0.0;
   for (int64_t m : p.members) {
     int64_t r = tensors_[m].recipe;
-    if (r >= 0 && !contains(seen, r)) {
-      seen.push_back(r);
+    if (r >= 0 && recipe_mark_[r] != mark) {
+      recipe_mark_[r] = mark;
       cost += recipes_[r].cost;
     }
   }
   p.cost = cost;
+}
+
+// Records go back to their defaults keeping their vectors' capacity: ids are reused
+// (free lists), and freeing and reallocating those vectors was most of an op's cost in
+// a replay. Each resets through the default record, so a field added later is reset too.
+namespace {
+template <typename Rec, typename... Vecs>
+void reset_keeping(Rec& rec, Vecs Rec::*... vecs) {
+  Rec fresh;
+  ((fresh.*vecs = std::move(rec.*vecs), (fresh.*vecs).clear()), ...);
+  rec = std::move(fresh);
+}
+}  // namespace
+
+void Core::reset(TensorRec& t) { reset_keeping(t, &TensorRec::consumers); }
+
+void Core::reset(PoolRec& p) { reset_keeping(p, &PoolRec::members); }
+
+void Core::reset(RecipeRec& r) {
+  reset_keeping(r, &RecipeRec::inputs, &RecipeRec::outputs, &RecipeRec::nbytes,
+                &RecipeRec::version_of);
 }
 
 // ------------------------------------------------------------------ recording
@@ -224,7 +250,7 @@ int64_t Core::alloc_recipe(const std::vector<int64_t>& inputs, double cost) {
     recipes_.emplace_back();
   }
   RecipeRec& r = recipes_[rid];
-  r = RecipeRec();
+  reset(r);
   r.inputs = inputs;
   r.cost = cost;
   r.used = true;
@@ -356,7 +382,7 @@ void Core::drop(std::vector<int64_t> stack) {
     } else if (!p.constant) {
       p.pinned -= 1;
     }
-    t = TensorRec();
+    reset(t);
     dropped_t_.push_back(tid);
     if (pools_[pid].members.empty()) {
       free_pool(pid);
@@ -371,13 +397,13 @@ void Core::drop_recipe(int64_t rid) { drop(release_recipe(rid)); }
 
 std::vector<int64_t> Core::release_recipe(int64_t rid) {
   graph_changed();
-  RecipeRec r = std::move(recipes_[rid]);
+  RecipeRec& r = recipes_[rid];
   for (int64_t i : r.inputs) remove_first(tensors_[i].consumers, rid);
-  recipes_[rid] = RecipeRec();
   dropped_r_.push_back(rid);
   std::vector<int64_t> out;
   for (int64_t i : r.inputs)
     if (droppable(tensors_[i])) out.push_back(i);
+  reset(r);
   return out;
 }
 
@@ -390,7 +416,7 @@ void Core::free_pool(int64_t pid) {
   } else if (p.uf >= 0) {
     uf_leave(p);
   }
-  p = PoolRec();
+  reset(p);
   dropped_p_.push_back(pid);
 }
 
@@ -404,6 +430,25 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> Cor
   free_p_.insert(free_p_.end(), dropped_p_.begin(), dropped_p_.end());
   dropped_p_.clear();
   return {std::move(ev), std::move(dt), std::move(dr)};
+}
+
+void Core::reserve(int64_t n) {
+  const size_t k = static_cast<size_t>(std::max<int64_t>(n, 0));
+  tensors_.reserve(k);
+  pools_.reserve(k);
+  recipes_.reserve(k);
+  visit_.reserve(k);
+  adj_.reserve(k);
+}
+
+void Core::drain_discard() {
+  evicted_.clear();
+  free_t_.insert(free_t_.end(), dropped_t_.begin(), dropped_t_.end());
+  free_r_.insert(free_r_.end(), dropped_r_.begin(), dropped_r_.end());
+  free_p_.insert(free_p_.end(), dropped_p_.begin(), dropped_p_.end());
+  dropped_t_.clear();
+  dropped_r_.clear();
+  dropped_p_.clear();
 }
 
 // ------------------------------------------------------------------ eviction

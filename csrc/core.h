@@ -96,6 +96,12 @@ class Core {
   void unlock(int64_t tid);
   void pin(int64_t tid);
   std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> drain();
+  // drain() for a caller with no handles to update (the replay loop): the same recycling
+  // of ids, without building the three lists.
+  void drain_discard();
+  // Room for n tensors, pools and recipes before a replay of a trace that names n
+  // values: growing the tables one op at a time reallocated and copied them.
+  void reserve(int64_t n);
   // eviction
   bool make_room(int64_t extra);
   void reset_peak() { peak_bytes = max_bytes = resident_bytes; }
@@ -166,6 +172,9 @@ class Core {
   int64_t alloc_recipe(const std::vector<int64_t>& inputs, double cost);
   void add_resident(int64_t nbytes);
   void pool_cost(PoolRec& p);
+  static void reset(TensorRec& t);
+  static void reset(PoolRec& p);
+  static void reset(RecipeRec& r);
   int64_t version(int64_t old, int64_t rid);
   bool droppable(const TensorRec& t) const;
   void maybe_drop(int64_t tid);
@@ -217,6 +226,8 @@ class Core {
   std::vector<int64_t> log_;
   std::vector<uint64_t> visit_;  // per-pool epoch marks for neighbourhood walks
   uint64_t epoch_ = 0;
+  std::vector<uint64_t> recipe_mark_;  // per-recipe epoch marks for pool_cost
+  uint64_t recipe_epoch_ = 0;
   // Each pool's parents and children (pool_parents, pool_children), cached for the
   // neighbourhood walks: one victim decision walks the same evicted region from many
   // candidates, and a burst of evictions (make_room) changes no edges. graph_gen_ counts

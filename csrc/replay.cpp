@@ -41,7 +41,9 @@ class Replayer {
         slots_(nslots, -1),
         live_(live),
         stress_(stress),
-        limit_(limit) {}
+        limit_(limit) {
+    core_.reserve(nslots);
+  }
 
   void run(const int64_t* code, int64_t n) {
     int64_t pc = 0;
@@ -116,7 +118,7 @@ class Replayer {
           }
           core_.unlock(t);
           if (op == kExport) core_.pin(t);
-          core_.drain();
+          core_.drain_discard();
           pc += 2;
           break;
         }
@@ -135,7 +137,7 @@ class Replayer {
         default:
           throw std::runtime_error("dtr: bad opcode " + std::to_string(op));
       }
-      core_.drain();
+      core_.drain_discard();
     }
   }
 
@@ -148,27 +150,33 @@ class Replayer {
           core_.remat_done(rid, {}, core_.steals(rid));
           if (core_.remat_cost > limit_) throw Stop{"thrash"};
         },
-        [](int64_t, int64_t) { throw Stop{"oom"}; }, [&] { core_.drain(); });
+        [](int64_t, int64_t) { throw Stop{"oom"}; }, [&] { core_.drain_discard(); });
   }
 
   void invalidate(const std::vector<int64_t>& seeds) {
-    dtr::invalidate(core_, seeds, [&](int64_t t) { materialize(t); }, [&] { core_.drain(); });
+    dtr::invalidate(
+        core_, seeds, [&](int64_t t) { materialize(t); }, [&] { core_.drain_discard(); });
   }
 
   int64_t call(const int64_t* code, int64_t pc) {
+    // The per-op lists are members reused from op to op (call() does not re-enter):
+    // malloc and free of per-op vectors led the replay's profile.
+    std::vector<int64_t>& args = args_;
+    std::vector<int64_t>& fresh = fresh_;
+    std::vector<int64_t>& kinds = kinds_;
+    std::vector<int64_t>& refs = refs_;
+    std::vector<int64_t>& nbytes = nbytes_;
+    args.clear(), fresh.clear(), kinds.clear(), refs.clear(), nbytes.clear();
     const double cost = costs_[code[pc + 1]];
     const int64_t nargs = code[pc + 2];
-    std::vector<int64_t> args;
     for (int64_t j = 0; j < nargs; ++j) args.push_back(slots_[code[pc + 3 + j]]);
     pc += 3 + nargs;
     const int64_t nres = code[pc];
     const int64_t* body = code + pc + 1;
     pc += 1 + 4 * nres;
     const int64_t nfresh = code[pc];
-    std::vector<int64_t> fresh;
     for (int64_t j = 0; j < nfresh; ++j) fresh.push_back(slots_[code[pc + 1 + j]]);
     pc += 1 + nfresh;
-    std::vector<int64_t> kinds, refs, nbytes;
     for (int64_t j = 0; j < nres; ++j) {
       kinds.push_back(body[4 * j + 1]);
       const int64_t r = body[4 * j + 2];
@@ -186,13 +194,15 @@ class Replayer {
       return pc;
     }
     if (nres) outs = core_.record(args, cost, kinds, refs, nbytes);
-    core_.drain();
+    core_.drain_discard();
     for (int64_t j = 0; j < static_cast<int64_t>(outs.size()); ++j) slots_[body[4 * j]] = outs[j];
-    std::vector<int64_t> locked;
-    locked.swap(locked_);
-    for (int64_t t : locked) core_.unlock(t);
+    unlocking_.clear();
+    unlocking_.swap(locked_);
+    for (int64_t t : unlocking_) core_.unlock(t);
+    unlocking_.clear();
     for (int64_t t : fresh) core_.release(t);
-    std::vector<int64_t> protect;
+    std::vector<int64_t>& protect = protect_;
+    protect.clear();
     for (size_t j = 0; j < outs.size(); ++j)
       if (kinds[j] != kVersion) protect.push_back(outs[j]);
     for (int64_t t : protect) core_.lock(t);
@@ -246,7 +256,7 @@ class Replayer {
     try {
       for (int64_t t : args) materialize(t);
       if (!core_.make_room(room())) throw Stop{"oom"};
-      core_.drain();
+      core_.drain_discard();
       if (!kinds.empty()) outs = core_.record(args, cost, kinds, refs, nbytes);
     } catch (...) {
       for (int64_t t : args) core_.unlock(t);
@@ -277,6 +287,7 @@ class Replayer {
   const double* costs_;
   std::vector<int64_t> slots_;
   std::vector<int64_t> locked_;
+  std::vector<int64_t> args_, fresh_, kinds_, refs_, nbytes_, protect_, unlocking_;  // call()
   bool live_, stress_;
   double limit_;
 };

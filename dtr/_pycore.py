@@ -218,12 +218,12 @@ class PyCore:
 
     def _pool_cost(self, p: _Pool) -> None:
         # Sum of the distinct recipes of the members, in member order.
-        seen: list[int] = []
+        seen: set[int] = set()
         cost = 0.0
         for m in p.members:
             r = self._T[m].recipe
             if r >= 0 and r not in seen:
-                seen.append(r)
+                seen.add(r)
                 cost += self._R[r].cost
         p.cost = cost
 
