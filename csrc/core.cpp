@@ -784,9 +784,17 @@ int64_t Core::remat_step() {
       frames_.back().seen = true;
       for (int64_t i : recipes_[rid].inputs) pools_[tensors_[i].pool].last_access = now;
     }
+    // The first evicted input, but one whose recipe reads inputs before one that reads
+    // none: a rebuilt input stays locked for its parent while its siblings are rebuilt,
+    // and rebuilding a factory's output (torch.sparse.mm's zeros, dtr/fresh.py) first
+    // held it through the whole chain below its sibling, one per layer of a graph
+    // network: infeasible at any budget below its peak.
     int64_t missing = -1;
     for (int64_t i : recipes_[rid].inputs) {
-      if (!tensors_[i].mat) {
+      if (tensors_[i].mat) continue;
+      if (missing < 0) missing = i;
+      const int64_t r = tensors_[i].recipe;
+      if (r >= 0 && !recipes_[r].inputs.empty()) {
         missing = i;
         break;
       }

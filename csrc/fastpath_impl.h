@@ -114,6 +114,7 @@ class FastPath {
     recipe_written_ = types.attr("recipe_written");
     recipe_replaced_ = types.attr("recipe_replaced");
     stand_in_type_ = types.attr("StandIn");
+    rebuilt_type_ = types.attr("Rebuilt");
     copy_layout_ = types.attr("copy_preserving_layout");
     storage_freed_ = types.attr("storage_freed");
     parameter_type_ = types.attr("Parameter");
@@ -198,8 +199,8 @@ class FastPath {
 
   py::object rt_, ckpt_type_, node_type_, ref_type_, recipe_type_, oom_type_, roofline_;
   py::object make_wrapper_, set_conj_, set_neg_, object_new_, wrapper_kwnames_, capture_;
-  py::object recipe_freed_, recipe_written_, recipe_replaced_, stand_in_type_, copy_layout_,
-      storage_freed_, parameter_type_, serials_;
+  py::object recipe_freed_, recipe_written_, recipe_replaced_, stand_in_type_, rebuilt_type_,
+      copy_layout_, storage_freed_, parameter_type_, serials_;
   py::object nodes_, storages_, const_keys_, const_storages_, escaped_, escaped_keys_, sizes_,
       lock_;
   py::object core_obj_;

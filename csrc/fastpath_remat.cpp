@@ -79,6 +79,7 @@ py::object FastPath::replay(const py::object& rec, const std::vector<int64_t>& s
   const Py_ssize_t n = PyList_GET_SIZE(inputs.ptr());
   std::vector<py::object> vals(n);
   PyTypeObject* stand_in = reinterpret_cast<PyTypeObject*>(stand_in_type_.ptr());
+  PyTypeObject* rebuilt = reinterpret_cast<PyTypeObject*>(rebuilt_type_.ptr());
   bool sparse = false;  // it reads a sparse constant (dtr/recipe.py, sparse_kernels)
   for (Py_ssize_t k = 0; k < n; ++k) {
     py::handle x(PyList_GET_ITEM(inputs.ptr(), k));
@@ -92,6 +93,9 @@ py::object FastPath::replay(const py::object& rec, const std::vector<int64_t>& s
       vals[k] = py::reinterpret_borrow<py::object>(x);
     } else if (Py_TYPE(x.ptr()) == stand_in) {
       vals[k] = x.attr("get")();
+    } else if (Py_TYPE(x.ptr()) == rebuilt) {  // a sparse transpose taken again (dtr/fresh.py)
+      vals[k] = x.attr("get")();
+      sparse = true;
     } else {
       vals[k] = get(x, s_value_);
     }

@@ -765,11 +765,17 @@ class PyCore:
                 f.seen = True
                 for i in r.inputs:
                     self._P[self._T[i].pool].last_access = self.now
+            # The first evicted input, but one whose recipe reads inputs before one that
+            # reads none (Core::remat_step says why)
             missing = -1
             for i in r.inputs:
                 if not self._T[i].mat:
-                    missing = i
-                    break
+                    if missing < 0:
+                        missing = i
+                    rec = self._T[i].recipe
+                    if rec >= 0 and self._R[rec].inputs:
+                        missing = i
+                        break
             if missing >= 0:
                 frames.append(_Frame(missing))
                 continue

@@ -8,6 +8,13 @@ a COO adjacency dtr held 1.76x eager's memory with no budget, bench/sparse_gcn.p
 The runtime remembers each untouched output of `zeros`/`ones`/`full`, and an op with a
 sparse operand that reads one gets a managed copy made by the same call instead, which
 is evicted and rebuilt like any other value (costing nothing to rebuild).
+
+Its backward is `aten.mm(adj.t(), grad)`, and for a COO adjacency `adj.t()` copies the
+indices and values: a plain sparse tensor per backward product, which the product's
+recipe held as a constant for as long as it might replay (through the rest of the
+backward pass), so no budget below the unbudgeted peak could be met. The runtime
+remembers each sparse transpose of a plain sparse tensor, and a recipe that reads one
+reads its source instead, taking the transpose again when it replays (`Rebuilt`).
 """
 
 from __future__ import annotations
@@ -16,9 +23,13 @@ import weakref
 
 import torch
 
+from .recipe import Rebuilt
+from .storage_keys import SPARSE_LAYOUTS
+
 aten = torch.ops.aten
 
 FACTORIES = frozenset({aten.zeros.default, aten.ones.default, aten.full.default})
+TRANSPOSES = frozenset({aten.t.default, aten.transpose.int})
 _PRUNE_AT = 4096
 
 
@@ -49,3 +60,52 @@ class FreshFactories:
         if ref() is not t or t._version != version:
             return None
         return func, args, kwargs
+
+
+class FreshTransposes:
+    """Sparse transposes of plain sparse tensors made in this session, while they live
+    and neither they nor their source have been written."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple] = {}
+        self._prune_at = _PRUNE_AT
+
+    def remember(self, out, func, args: tuple, kwargs: dict) -> None:
+        source = args[0] if args else None
+        if not (
+            isinstance(out, torch.Tensor)
+            and out.layout in SPARSE_LAYOUTS
+            and isinstance(source, torch.Tensor)
+            and source.layout in SPARSE_LAYOUTS
+        ):
+            return
+        if len(self._made) >= self._prune_at:
+            self._made = {k: v for k, v in self._made.items() if v[0]() is not None}
+            self._prune_at = max(_PRUNE_AT, 2 * len(self._made))
+        # the source by weak reference too: this registry must not keep a program's
+        # sparse tensors alive (a recipe that reads the transpose holds its source)
+        self._made[out._cdata] = (
+            weakref.ref(out),
+            func,
+            weakref.ref(source),
+            args[1:],
+            kwargs,
+            out._version,
+            source._version,
+        )
+
+    def rebuilt_for(self, t: torch.Tensor, reader: str) -> Rebuilt | None:
+        """How a recipe of reader reads t: made again from its source when it replays,
+        if t is a remembered transpose that matches its source still; else None (the
+        recipe holds t). (A TensorImpl address reused by another tensor fails the
+        identity check.)"""
+        entry = self._made.get(t._cdata)
+        if entry is None:
+            return None
+        ref, func, source_ref, rest, kwargs, version, source_version = entry
+        source = source_ref()
+        if ref() is not t or source is None:
+            return None
+        if t._version != version or source._version != source_version:
+            return None
+        return Rebuilt(func, (source, *rest), kwargs, reader)

@@ -85,7 +85,7 @@ class Recipe:
         on_oom(exc, func, args, kwargs, retry, rng), when given, handles an allocator
         out-of-memory error (the runtime evicts and runs the op again)."""
         vals = [
-            x.value if type(x) is Node else x.get() if type(x) is StandIn else x
+            x.value if type(x) is Node else x.get() if type(x) in _MADE_AT_REPLAY else x
             for x in self.inputs
         ]
         sparse = False
@@ -94,6 +94,8 @@ class Recipe:
                 if freed(x):
                     raise freed_error(self.facts.name, x)
                 sparse = sparse or x.layout is not torch.strided
+            elif type(x) is Rebuilt:
+                sparse = True
         for k, version, key in self.versions:
             x = self.inputs[k]
             if storage_key(x) != key:
@@ -200,9 +202,39 @@ class StandIn:
         return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device="meta")
 
 
+class Rebuilt:
+    """A plain sparse tensor a recipe reads, made again when the recipe replays from the
+    plain sparse tensor it was made from (args[0]) instead of held: autograd's adj.t()
+    per backward product of torch.sparse.mm (dtr/fresh.py, FreshTransposes). Holding
+    each such copy kept a COO graph network from training under any budget."""
+
+    __slots__ = ("func", "args", "kwargs", "reader", "version")
+
+    def __init__(self, func, args: tuple, kwargs: dict, reader: str):
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.reader = reader  # the op whose recipe reads it, for errors
+        source = args[0]
+        self.version = -1 if source.is_inference() else source._version
+
+    def get(self) -> torch.Tensor:
+        source = self.args[0]
+        # the checks Recipe.replay makes of a constant it holds, on the source
+        if freed(source):
+            raise freed_error(self.reader, source)
+        if self.version >= 0 and source._version != self.version:
+            raise written_error(self.reader, source)
+        with sparse_kernels():
+            return self.func(*self.args, **self.kwargs)
+
+
 def copy_preserving_layout(t: torch.Tensor) -> torch.Tensor:
     """A copy with the same sizes and strides, so that ops on it see the same layout
     (and give bitwise the same results) as on the original."""
     out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
     out.copy_(t)
     return out
+
+
+_MADE_AT_REPLAY = (StandIn, Rebuilt)  # recipe inputs whose value get() makes

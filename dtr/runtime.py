@@ -31,9 +31,9 @@ from ._pycore import NEW, VERSION, VIEW
 from .call import Call, rebuild_returns, returns_of, substitute
 from .config import DTRConfig
 from .errors import BudgetError, DTRError, InternalError, UnsupportedError
-from .fresh import FACTORIES, FreshFactories
+from .fresh import FACTORIES, TRANSPOSES, FreshFactories, FreshTransposes
 from .protocol import Driver
-from .recipe import VERSION_SPEC, Recipe, StandIn, copy_preserving_layout
+from .recipe import VERSION_SPEC, Rebuilt, Recipe, StandIn, copy_preserving_layout
 from .reserve import OutputSizes
 from .schema import OpFacts, op_facts
 from .steps import StepTracker
@@ -79,6 +79,7 @@ class _Op:
         "held",
         "inputs",
         "key",
+        "rebuilt",
     )
 
     def __init__(self, func, facts: OpFacts, call: Call):
@@ -99,6 +100,7 @@ class _Op:
         self.held: list[int] = []  # older constants it reads, held while it invalidates
         self.inputs: list[int] | None = None  # the core inputs of the recorded recipe
         self.key: tuple | None = None  # its OutputSizes key, when sizes are learned
+        self.rebuilt: dict[int, Rebuilt] = {}  # sparse leaves the recipe takes again
 
 
 class Runtime(Driver):
@@ -139,6 +141,7 @@ class Runtime(Driver):
         self.timeline = Recorder(config.timeline) if config.timeline else None
         self.sizes = OutputSizes()
         self.fresh = FreshFactories()  # zeros(...) and kin made in the block (dtr/fresh.py)
+        self.transposes = FreshTransposes()  # adj.t() and kin of plain sparse tensors
         # the session's peak_bytes and max_bytes before the last take_step_peak()
         self.peak_carry = self.max_carry = 0
         # (peak, max transient) when close() lifted the budget: materializing what the
@@ -259,6 +262,10 @@ class Runtime(Driver):
                     out = func(*args, **kwargs)
                     self.fresh.remember(out, func, args, kwargs)
                     return out
+                if other is not None and func in TRANSPOSES:
+                    out = func(*args, **kwargs)
+                    self.transposes.remember(out, func, args, kwargs)
+                    return out
                 # meta-only ops (zeros_like(p)...) make values no gradient flows from:
                 # optimizer state made outside no_grad (Adagrad's) stays plain
                 if facts.view or facts.meta_only or not _wants_management(call):
@@ -297,10 +304,14 @@ class Runtime(Driver):
                 op.tids[k] = self._constant(t, op.fresh)
                 op.vals[k] = t
             else:  # a sparse tensor: each part's storage is a constant
-                first, *rest = parts(t)
+                # (or its source's, for a transpose the recipe takes again: dtr/fresh.py)
+                rebuilt = self.transposes.rebuilt_for(t, facts.name)
+                first, *rest = parts(t if rebuilt is None else rebuilt.args[0])
                 op.tids[k] = self._constant(first, op.fresh)
                 op.extra.extend(self._constant(p, op.fresh) for p in rest)
                 op.vals[k] = t
+                if rebuilt is not None:
+                    op.rebuilt[k] = rebuilt
         if writes:
             op.written = [k for k in range(n) if call.positions[k] in writes]
         managed = [k for k in range(n) if op.nodes[k] is not None]
@@ -536,7 +547,7 @@ class Runtime(Driver):
             return rebuild_returns(op.facts, out, replacements), ()
         inputs = list(op.tids)
         rec_inputs: list = [
-            op.nodes[k] if op.nodes[k] is not None else op.call.leaves[k]
+            op.nodes[k] if op.nodes[k] is not None else op.rebuilt.get(k, op.call.leaves[k])
             for k in range(len(op.tids))
         ]
         for k, (snap, snap_tid) in op.snaps.items():
@@ -1191,6 +1202,7 @@ _FAST_TYPES = types.SimpleNamespace(
     recipe_written=_recipe.written_error,
     recipe_replaced=_recipe.replaced_error,
     StandIn=StandIn,
+    Rebuilt=Rebuilt,
     copy_preserving_layout=copy_preserving_layout,
     storage_freed=freed,
     Parameter=torch.nn.Parameter,

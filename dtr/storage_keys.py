@@ -2,8 +2,9 @@
 
 A strided tensor's memory is its storage (views of one buffer share one constant). A
 sparse tensor (COO, CSR, CSC, BSR, BSC) has no storage of its own: its memory is its
-parts' (indices and values), each a constant of what reads it, so `adj` and the
-`adj.t()` autograd makes in backward, which share their values, are counted once. The
+parts' (indices and values), each a constant of what reads it, so a CSR `adj` and the
+CSC `adj.t()` autograd makes in backward, which share every part, are counted once (a
+COO `adj.t()` copies its parts; dtr/fresh.py has the recipe take it again instead). The
 recipe itself holds the sparse tensor, and checks that tensor (named by itself) for
 writes behind dtr's back. A graph network's adjacency matrix is the common case:
 `torch.sparse.mm(adj, h)` with a managed `h` records an op whose recipe reads `adj`,

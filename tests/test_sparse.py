@@ -93,23 +93,29 @@ def _embedding_bag_of_words():
     return program
 
 
-# each program, and the fraction of its unbudgeted peak it is run at. The COO network has
-# no budget point: autograd makes a transposed copy of the indices per backward product
-# (and on the native engine torch.sparse.mm a zeros tensor per product), plain tensors
-# its recipes then read as constants (pinned), so every fraction of its peak down to 0.9
-# is infeasible; stress mode checks it. README, Limits.
+# each program, and the fraction of its unbudgeted peak it is run at. The COO network
+# trains under a budget on the default engine, which takes autograd's adj.t() again from
+# adj rather than hold a copy per backward product (dtr/fresh.py); the native engine
+# holds those copies and torch.sparse.mm's zeros, plain tensors its recipes read as
+# constants (pinned), so every fraction of its peak down to 0.9 is infeasible there and
+# stress mode checks it. README, Limits.
 PROGRAMS = {
-    "gcn_coo": (lambda: _gcn(torch.sparse_coo), None),
+    "gcn_coo": (lambda: _gcn(torch.sparse_coo), 0.7),
     "gcn_csr": (lambda: _gcn(torch.sparse_csr), 0.7),
     "embedding_sparse_grad": (_embedding_bag_of_words, 0.8),
 }
+NATIVE_WITHOUT_BUDGET = {"gcn_coo"}
+SETUPS = ["default", "default-python-core", "native"]
+RUNS = [
+    (name, mode, setup)
+    for name in sorted(PROGRAMS)
+    for mode in ("stress", "budget")
+    for setup in SETUPS
+    if mode == "stress" or not (setup == "native" and name in NATIVE_WITHOUT_BUDGET)
+]
 
 
-RUNS = [(name, mode) for name in sorted(PROGRAMS) for mode in ("stress", "budget")]
-
-
-@pytest.mark.parametrize("name,mode", [r for r in RUNS if PROGRAMS[r[0]][1] or r[1] == "stress"])
-@pytest.mark.parametrize("setup", ["default", "default-python-core", "native"])
+@pytest.mark.parametrize("name,mode,setup", RUNS)
 def test_programs_with_sparse_tensors_match_eager(name, mode, setup, monkeypatch):
     engine = setup.split("-")[0]
     if engine == "native":
@@ -238,3 +244,62 @@ def test_torch_sparse_mm_holds_no_zeros_tensor_per_product(core):
     params = sum(p.untyped_storage().nbytes() for layer in layers for p in layer.parameters())
     graph = adj._indices().untyped_storage().nbytes() + adj._values().untyped_storage().nbytes()
     assert held == params + graph + x.untyped_storage().nbytes()
+
+
+def test_coo_backward_holds_no_transpose_per_product(core):
+    # torch.sparse.mm's backward is mm(adj.t(), grad), and a COO adj.t() copies adj's
+    # indices and values. Each product's recipe held its copy as a constant for the rest
+    # of backward (here 5 copies by the first layer's gradient: 1.07 MB against 0.24 MB,
+    # and no budget below the peak could be met); it now takes adj.t() again from adj
+    # when it replays (dtr/fresh.py), so backward holds what forward held. (The native
+    # engine still holds them: README, Limits.)
+    adj = _adjacency(400, torch.sparse_coo)
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 32) for _ in range(6)]
+    x = torch.randn(400, 32)
+    seen = []
+    with dtr.enable() as session:
+        h = x
+        for k, layer in enumerate(layers):
+            h = torch.tanh(torch.sparse.mm(adj, layer(h)))
+            if k == 0:
+                h.register_hook(lambda g: seen.append(session.stats().constant_bytes))
+        forward = session.stats().constant_bytes
+        h.sum().backward()
+    params = sum(p.untyped_storage().nbytes() for layer in layers for p in layer.parameters())
+    graph = adj._indices().untyped_storage().nbytes() + adj._values().untyped_storage().nbytes()
+    assert forward == params + graph + x.untyped_storage().nbytes()
+    assert seen == [forward]
+
+
+def _transposed_product(adj, x):
+    # a recipe that reads adj.t(), a sparse transpose dtr takes again from adj
+    return torch.sparse.mm(adj.t(), x * 2).detach()
+
+
+def test_a_transpose_taken_again_sees_its_source_as_it_was(core):
+    # adj is scaled in place after the product that read adj.t() (a write dtr sees):
+    # the product, evicted at once in stress mode, must keep the value it had.
+    adj = _adjacency(50, torch.sparse_coo)
+    x = torch.randn(50, 8, requires_grad=True)
+    want = _transposed_product(adj, x)
+    with dtr.enable(stress=True) as session:
+        h = _transposed_product(adj, x)
+        adj.mul_(3)
+        got = dtr.materialize(h + 0)
+    assert session.stats().evictions > 0
+    assert torch.equal(got, want)
+
+
+def test_a_transpose_whose_source_was_written_unseen_is_a_clear_error(core):
+    # A write dtr cannot see (dispatch bypassed, as another thread's would be): the
+    # product cannot be rebuilt from adj any more, and says so rather than use the new
+    # values.
+    adj = _adjacency(50, torch.sparse_coo)
+    x = torch.randn(50, 8, requires_grad=True)
+    with pytest.raises(dtr.UnsupportedError, match="written in place where dtr could not"):
+        with dtr.enable(stress=True):
+            h = _transposed_product(adj, x)
+            with torch._C._DisableTorchDispatch():
+                adj.mul_(3)
+            dtr.materialize(h + 0)
