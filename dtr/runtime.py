@@ -239,6 +239,12 @@ class Runtime(Driver):
                 # block's close() could not read their values back ("Cannot copy out of
                 # meta tensor").
                 return func(*args, **kwargs)
+            if other is torch.jagged and managed:
+                # A nested jagged tensor is a Python subclass over a values tensor: let
+                # it serve the op, on its values, whose ops reach dtr with the managed
+                # ones (torch.nested.as_nested_tensor of managed tensors, then any op
+                # mixing one with a managed tensor, which was refused).
+                return NotImplemented
             if other is not None and (
                 other not in SPARSE_LAYOUTS or self._writes_sparse(facts, call)
             ):

@@ -16,7 +16,9 @@ The chain is ``CheckpointTensor -> Ref -> Node -> value``:
 
 from __future__ import annotations
 
+import functools
 import itertools
+import sys
 
 import torch
 
@@ -132,6 +134,14 @@ class CheckpointTensor(torch.Tensor):
         # The wrapper's own storage has no memory: reading it through another tensor
         # (torch.empty(0).set_(t.untyped_storage())) or share_memory_() (which goes
         # through it) crashed the process. The value's storage, pinned as numpy() pins it.
+        # One caller reads only the size: a nested jagged tensor's constructor
+        # (`storage_size=values.untyped_storage().size()`, for every op on it), and the
+        # pins made every jagged tensor's values unevictable. It gets a meta storage of
+        # the value's size instead, while the block is open.
+        ref = self._dtr_ref
+        if sys._getframe(1).f_code is _jagged_new_code() and ref.runtime.is_open:
+            nbytes = ref.runtime.core.pool_bytes(ref.node.tid)
+            return torch.UntypedStorage(nbytes, device="meta")
         return _plain(self, export=True).untyped_storage()
 
     # apply_/map_/map2_ run a Python function over the memory itself, below dispatch:
@@ -190,6 +200,16 @@ def _write_back(t: CheckpointTensor, method: str, *args) -> CheckpointTensor:
     args = [_plain(a) if isinstance(a, CheckpointTensor) else a for a in args]
     getattr(value, method)(*args)
     return t.copy_(value)
+
+
+@functools.cache
+def _jagged_new_code():
+    """The code of torch's NestedTensor.__new__ (jagged layout), or None."""
+    try:
+        from torch.nested._internal.nested_tensor import NestedTensor
+    except ImportError:  # a torch without it
+        return None
+    return getattr(NestedTensor.__new__, "__code__", None)
 
 
 def _plain(t: CheckpointTensor, export: bool = False) -> torch.Tensor:
