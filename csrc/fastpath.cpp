@@ -131,11 +131,39 @@ py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwa
 // running), the runtime runs behind torch._disable_dynamo, as there.
 py::object FastPath::torch_dispatch(py::handle mode, py::handle func, py::handle types,
                                     py::handle args, py::handle kwargs) {
-  if (frame_callback_ && !call(frame_callback_, {}).is_none()) {
-    py::object kw = kwargs.is_none() ? py::dict() : py::reinterpret_borrow<py::object>(kwargs);
-    return call(without_dynamo_, {rt_, func, args, kw});
+  try {
+    if (frame_callback_ && !call(frame_callback_, {}).is_none()) {
+      py::object kw = kwargs.is_none() ? py::dict() : py::reinterpret_borrow<py::object>(kwargs);
+      return call(without_dynamo_, {rt_, func, args, kw});
+    }
+    return (*this)(func, args, kwargs);
+  } catch (py::error_already_set& e) {
+    note_raised(e.value());
+    throw;
+  } catch (const c10::Error& e) {  // a kernel's: pybind11 makes it a RuntimeError
+    note_raised(PyExc_RuntimeError, e.what_without_backtrace());
+    throw;
+  } catch (const std::exception& e) {
+    note_raised(PyExc_RuntimeError, e.what());
+    throw;
   }
-  return (*this)(func, args, kwargs);
+}
+
+// errors.note_raised (dtr/errors.py): the exception leaving the mode, which TorchScript's
+// interpreter reads as an empty message; the session raises it again at its end. Never
+// throws: the exception in flight is the one that matters.
+void FastPath::note_raised(py::handle exc) {
+  try {
+    py::module_::import("dtr.errors").attr("note_raised")(exc);
+  } catch (...) {
+  }
+}
+
+void FastPath::note_raised(PyObject* type, const char* what) {
+  try {
+    note_raised(py::handle(type)(py::str(what)));
+  } catch (...) {
+  }
 }
 
 void FastPath::throw_from(const py::object& make, py::handle name, py::handle tensor) {

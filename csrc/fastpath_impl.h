@@ -196,6 +196,8 @@ class FastPath {
                         const std::vector<Leaf>& leaves);
   void set_item(const py::object& list, int64_t index, py::handle value);
   [[noreturn]] void budget_error(const std::vector<int64_t>& fresh, const OpInfo& op);
+  static void note_raised(py::handle exc);
+  static void note_raised(PyObject* type, const char* what);
 
   py::object rt_, ckpt_type_, node_type_, ref_type_, recipe_type_, oom_type_, roofline_;
   py::object make_wrapper_, set_conj_, set_neg_, object_new_, wrapper_kwnames_, capture_;

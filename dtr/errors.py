@@ -2,11 +2,62 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
+
+_last = threading.local()
 
 
 class DTRError(RuntimeError):
     """Base class of every error raised by dtr."""
+
+
+def note_raised(exc: BaseException) -> None:
+    """Called with every exception that leaves dtr's dispatch mode on this thread (a
+    dtr error, or a kernel's own), for from_torchscript(). Only its type and arguments
+    are kept: the exception's traceback holds the frames of the code that failed, and
+    with them the program's tensors (a BudgetError caught in the block kept them
+    resident and unevictable)."""
+    _last.raised = (type(exc), exc.args)
+    _last.count = getattr(_last, "count", 0) + 1
+
+
+def raised_count() -> int:
+    """How many exceptions have left dtr's dispatch mode on this thread (a session notes
+    it when it starts)."""
+    return getattr(_last, "count", 0)
+
+
+def from_torchscript(exc: BaseException | None, since: int):
+    """The error behind exc, if exc is TorchScript's report of an op that failed in
+    dtr's dispatch mode; else None.
+
+    An error raised inside a scripted module (torch.jit.script or trace) reaches the
+    program as the interpreter's RuntimeError ("The following operation failed in the
+    TorchScript interpreter"), whose last line is the op's own error. For the default
+    engine's ops that line is empty ("RuntimeError: "): the interpreter cannot read an
+    error raised in Python below it, so a BudgetError, or a kernel's shape error, read
+    as nothing at all; it is the last exception that left the mode on this thread,
+    made again from its type and arguments, if one did after since (a raised_count()).
+    The native engine's errors keep their message but reach the program as a plain
+    RuntimeError; a budget's becomes a BudgetError again. A session that ends with such
+    an error raises this one instead, from it."""
+    if type(exc) is not RuntimeError:
+        return None
+    msg = str(exc)
+    if "TorchScript interpreter" not in msg:
+        return None
+    text = msg.rstrip().rsplit("\n", 1)[-1].split("RuntimeError:", 1)[-1].strip()
+    if not text and raised_count() > since:
+        cls, args = _last.raised
+        try:
+            return cls(*args)
+        except Exception:  # an exception type that cannot be made from its args alone
+            return RuntimeError(*args)
+    if text.startswith(BudgetError.PREFIX):
+        return BudgetError(text)
+    return None
 
 
 class ConfigError(DTRError, ValueError):
@@ -19,6 +70,8 @@ class BudgetError(DTRError, torch.OutOfMemoryError):
     A subclass of ``torch.OutOfMemoryError``, so code that already handles running out of
     memory handles this too.
     """
+
+    PREFIX = "dtr: cannot stay within the memory budget"  # how each engine's message starts
 
 
 class UnsupportedError(DTRError, NotImplementedError):

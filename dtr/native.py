@@ -38,7 +38,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import config as _config
-from . import dlpack, native_reads
+from . import dlpack, errors, native_reads
 from . import schema as _schema
 from .errors import ConfigError, DTRError
 from .stats import Stats
@@ -128,6 +128,7 @@ class NativeSession:
         self._steps: StepTracker | None = None
         # the session's peaks before the last take_step_peak() (Runtime.peak_carry)
         self._peak_carry = self._max_carry = 0
+        self._error_mark = 0  # errors.raised_count() at entry
 
     def __enter__(self) -> NativeSession:
         _install()
@@ -147,6 +148,7 @@ class NativeSession:
                     "thread); end it first, or change its budget with session.set_budget()"
                 )
             cfg = self.config
+            self._error_mark = errors.raised_count()
             engine = _C.NativeEngine(cfg.heuristic, self.budget, cfg.seed, cfg.cost_model)
             engine.set_leaf_hook(self._hook_leaf)
             engine.stress = cfg.stress
@@ -184,6 +186,13 @@ class NativeSession:
         return self
 
     def __exit__(self, *exc) -> None:
+        global _open
+        self._close(exc)
+        lost = errors.from_torchscript(exc[1], self._error_mark)
+        if lost is not None:  # raised inside a scripted module: its type and message back
+            raise lost from exc[1]
+
+    def _close(self, exc) -> None:
         global _open
         try:
             try:

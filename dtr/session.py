@@ -9,7 +9,7 @@ import types
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import direct_reads, dlpack
+from . import direct_reads, dlpack, errors
 from .config import DTRConfig, resolve
 from .errors import ConfigError, DTRError
 from .runtime import Runtime
@@ -42,9 +42,13 @@ class _Mode(TorchDispatchMode):
         return False  # see _handle_without_dynamo below
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _eval_frame_callback() is None:
-            return self.runtime.dispatch(func, args, kwargs or {})
-        return _handle_without_dynamo(self.runtime, func, args, kwargs or {})
+        try:
+            if _eval_frame_callback() is None:
+                return self.runtime.dispatch(func, args, kwargs or {})
+            return _handle_without_dynamo(self.runtime, func, args, kwargs or {})
+        except BaseException as exc:  # for errors.from_torchscript (the fast path: C++)
+            errors.note_raised(exc)
+            raise
 
 
 def _handle(runtime: Runtime, func, args, kwargs):
@@ -90,6 +94,7 @@ class Session:
         self._final_timeline: Timeline | None = None
         self._final_steps: list[StepStats] = []
         self._thread: threading.Thread | None = None  # the thread that entered it
+        self._error_mark = 0  # errors.raised_count() at entry
 
     def __enter__(self) -> Session:
         global _active
@@ -116,6 +121,7 @@ class Session:
                 raise DTRError("dtr: dtr.native.enable() is active; the two engines do not nest")
             direct_reads.install()
             dlpack.install()  # torch.to_dlpack of a managed tensor
+            self._error_mark = errors.raised_count()
             self._runtime = Runtime(self.config)
             try:
                 self._mode = _Mode(self._runtime)
@@ -152,6 +158,9 @@ class Session:
             self._mode = None
             with _active_lock:
                 _active = None
+        lost = errors.from_torchscript(exc, self._error_mark)
+        if lost is not None:  # raised inside a scripted module: its type and message back
+            raise lost from exc
 
     @property
     def active(self) -> bool:

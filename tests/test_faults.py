@@ -901,3 +901,36 @@ def test_parameters_updated_through_data_in_place_recompute_correctly(core):
             )
 
     assert torch.equal(run(True), run(False))
+
+
+def _scripted_mlp():
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64)]
+    return torch.jit.script(nn.Sequential(*layers))
+
+
+def test_a_budget_error_inside_a_scripted_module_keeps_its_type_and_message(engine):
+    # TorchScript reports an op that failed below its interpreter as its own
+    # RuntimeError: it read the default engine's BudgetError (raised in Python, in dtr's
+    # dispatch mode) as an empty message, and the native engine's as a plain
+    # RuntimeError. The session ends by raising the dtr error, from the interpreter's.
+    model = _scripted_mlp()
+    with pytest.raises(dtr.BudgetError, match="dtr: cannot stay within the memory budget") as e:
+        with dtr.enable(budget=300_000, engine=engine):
+            h = torch.randn(256, 64, requires_grad=True) * 1.0
+            model(h).sum().backward()
+    assert type(e.value.__cause__) is RuntimeError
+    assert "TorchScript interpreter" in str(e.value.__cause__)
+
+
+def test_a_kernels_error_inside_a_scripted_module_keeps_its_message(engine):
+    # The same for PyTorch's own errors on managed tensors (a shape mismatch), which
+    # the interpreter also read as empty on the default engine; a dtr error made
+    # earlier in the block (a refused nested session) is not taken for it.
+    model = _scripted_mlp()
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as e:
+        with dtr.enable(engine=engine):
+            with pytest.raises(dtr.DTRError):
+                dtr.enable().__enter__()  # nested sessions are refused
+            model(torch.randn(8, 32) * 1.0)  # the wrong width, on a managed tensor
+    assert not isinstance(e.value, dtr.DTRError)
