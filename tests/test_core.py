@@ -73,14 +73,20 @@ def test_lru_evicts_least_recently_used(Core):
 @pytest.mark.parametrize(
     "b_cost, victims",
     [
-        # A: cost 3, staleness 9; B: staleness 0.5; equal sizes. Scores (x size):
-        # dtr c/s: A 0.33, B 1.0 or 2.4; msps c: A 3, B 0.5 or 1.2;
-        # msps_sqrt c/sqrt(s): A 1.0, B 0.71 or 1.70.
-        (0.5, {"dtr": "a", "msps": "b", "msps_sqrt": "b"}),
-        (1.2, {"dtr": "a", "msps": "b", "msps_sqrt": "a"}),
+        # A: cost 3, staleness 9; B: staleness 0.5; equal sizes. Scores (x size), B's at
+        # b_cost 0.3 / 0.5 / 1.2: dtr and dtr_held (no evicted neighbours here) c/s: A
+        # 0.33, B 0.6 / 1.0 / 2.4; msps c: A 3, B 0.3 / 0.5 / 1.2; msps_sqrt c/sqrt(s): A
+        # 1.0, B 0.42 / 0.71 / 1.70; dtr_held34 c/s^0.75: A 0.577, B 0.505 / 0.841 / 2.02.
+        (0.3, {"dtr": "a", "dtr_held": "a", "msps": "b", "msps_sqrt": "b", "dtr_held34": "b"}),
+        (0.5, {"dtr": "a", "dtr_held": "a", "msps": "b", "msps_sqrt": "b", "dtr_held34": "a"}),
+        (1.2, {"dtr": "a", "dtr_held": "a", "msps": "b", "msps_sqrt": "a", "dtr_held34": "a"}),
     ],
 )
-def test_msps_sqrt_weighs_staleness_by_its_square_root(Core, b_cost, victims):
+def test_the_staleness_exponent_weighs_an_old_dear_tensor_against_a_fresh_cheap_one(
+    Core, b_cost, victims
+):
+    # msps ignores staleness, msps_sqrt divides by its square root, dtr_held34 by its
+    # 3/4 power, dtr and dtr_held by staleness itself.
     for heuristic, want in victims.items():
         core = Core(heuristic, 350)
         (a,) = core.record([], 3.0, [NEW], [-1], [100])  # now 3
@@ -90,30 +96,6 @@ def test_msps_sqrt_weighs_staleness_by_its_square_root(Core, b_cost, victims):
         core.lock(f)
         core.lock(g)
         assert core.now == 12.0
-        assert core.make_room(0)
-        evicted = [name for name, t in (("a", a), ("b", b)) if not core.is_materialized(t)]
-        assert evicted == [want], heuristic
-
-
-@pytest.mark.parametrize(
-    "b_cost, victims",
-    [
-        # As above (A: cost 3, staleness 9; B: staleness 0.5), x size: dtr_held c/s: A
-        # 0.33, B 0.6 or 1.0; dtr_held34 c/s^0.75: A 0.577, B 0.505 or 0.841; msps_sqrt
-        # A 1.0, B 0.42 or 0.71. Between linear and square-root staleness.
-        (0.3, {"dtr_held": "a", "dtr_held34": "b", "msps_sqrt": "b"}),
-        (0.5, {"dtr_held": "a", "dtr_held34": "a", "msps_sqrt": "b"}),
-    ],
-)
-def test_dtr_held34_weighs_staleness_by_its_three_quarter_power(Core, b_cost, victims):
-    for heuristic, want in victims.items():
-        core = Core(heuristic, 350)
-        (a,) = core.record([], 3.0, [NEW], [-1], [100])  # now 3
-        (f,) = core.record([], 8.5 - b_cost, [NEW], [-1], [100])
-        (b,) = core.record([], b_cost, [NEW], [-1], [100])  # now 11.5
-        (g,) = core.record([], 0.5, [NEW], [-1], [100])  # now 12: A 9 old, B 0.5
-        core.lock(f)
-        core.lock(g)
         assert core.make_room(0)
         evicted = [name for name, t in (("a", a), ("b", b)) if not core.is_materialized(t)]
         assert evicted == [want], heuristic
