@@ -186,7 +186,6 @@ class NativeSession:
         return self
 
     def __exit__(self, *exc) -> None:
-        global _open
         self._close(exc)
         lost = errors.from_torchscript(exc[1], self._error_mark)
         if lost is not None:  # raised inside a scripted module: its type and message back
