@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -906,7 +907,9 @@ def test_parameters_updated_through_data_in_place_recompute_correctly(core):
 def _scripted_mlp():
     torch.manual_seed(0)
     layers = [nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64)]
-    return torch.jit.script(nn.Sequential(*layers))
+    with warnings.catch_warnings():  # torch.jit.script is deprecated, and still used
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(nn.Sequential(*layers))
 
 
 def test_a_budget_error_inside_a_scripted_module_keeps_its_type_and_message(engine):
