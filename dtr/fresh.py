@@ -33,21 +33,29 @@ TRANSPOSES = frozenset({aten.t.default, aten.transpose.int})
 _PRUNE_AT = 4096
 
 
-class FreshFactories:
-    """Factory outputs of this session, by storage, while they live and are unwritten."""
+class _Made:
+    """Entries keyed by an address, each led by a weak reference to the tensor it is
+    about; entries whose tensor died are dropped when the table has doubled since."""
 
     def __init__(self) -> None:
         self._made: dict[int, tuple] = {}
         self._prune_at = _PRUNE_AT
 
-    def remember(self, out, func, args: tuple, kwargs: dict) -> None:
-        if not isinstance(out, torch.Tensor) or out.layout is not torch.strided:
-            return
+    def _add(self, key: int, entry: tuple) -> None:
         if len(self._made) >= self._prune_at:
             self._made = {k: v for k, v in self._made.items() if v[0]() is not None}
             self._prune_at = max(_PRUNE_AT, 2 * len(self._made))
+        self._made[key] = entry
+
+
+class FreshFactories(_Made):
+    """Factory outputs of this session, by storage, while they live and are unwritten."""
+
+    def remember(self, out, func, args: tuple, kwargs: dict) -> None:
+        if not isinstance(out, torch.Tensor) or out.layout is not torch.strided:
+            return
         key = out.untyped_storage()._cdata
-        self._made[key] = (weakref.ref(out), func, args, kwargs, out._version)
+        self._add(key, (weakref.ref(out), func, args, kwargs, out._version))
 
     def call_for(self, t: torch.Tensor):
         """(func, args, kwargs) that makes t's value again, if t is a factory's output
@@ -62,13 +70,9 @@ class FreshFactories:
         return func, args, kwargs
 
 
-class FreshTransposes:
+class FreshTransposes(_Made):
     """Sparse transposes of plain sparse tensors made in this session, while they live
     and neither they nor their source have been written."""
-
-    def __init__(self) -> None:
-        self._made: dict[int, tuple] = {}
-        self._prune_at = _PRUNE_AT
 
     def remember(self, out, func, args: tuple, kwargs: dict) -> None:
         source = args[0] if args else None
@@ -79,19 +83,19 @@ class FreshTransposes:
             and source.layout in SPARSE_LAYOUTS
         ):
             return
-        if len(self._made) >= self._prune_at:
-            self._made = {k: v for k, v in self._made.items() if v[0]() is not None}
-            self._prune_at = max(_PRUNE_AT, 2 * len(self._made))
         # the source by weak reference too: this registry must not keep a program's
         # sparse tensors alive (a recipe that reads the transpose holds its source)
-        self._made[out._cdata] = (
-            weakref.ref(out),
-            func,
-            weakref.ref(source),
-            args[1:],
-            kwargs,
-            out._version,
-            source._version,
+        self._add(
+            out._cdata,
+            (
+                weakref.ref(out),
+                func,
+                weakref.ref(source),
+                args[1:],
+                kwargs,
+                out._version,
+                source._version,
+            ),
         )
 
     def rebuilt_for(self, t: torch.Tensor, reader: str) -> Rebuilt | None:
