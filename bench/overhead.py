@@ -1,17 +1,20 @@
 """Per-op overhead: microseconds dtr adds to an op, and where they go.
 
 For small ops (64x64 add, matmul, relu, a view, an in-place add) on managed tensors:
-eager time per op, dtr's with no budget and under a budget (a budget is checked at every
-op boundary; here nothing is evicted, so this is the price of the check), dtr's Python
-path (Runtime.handle, what the C++ fast path stands in for), and the experimental native
-engine (dtr.native), side by side in one process, medians of several repeats. Then the
+eager time per op, the subclass engine's (``dtr.enable(engine="subclass")``: a Python
+dispatch mode and wrapper subclass with a C++ fast path) with no budget and under a
+budget (a budget is checked at every op boundary; here nothing is evicted, so this is
+the price of the check), its Python path (Runtime.handle, what the C++ fast path stands
+in for), and the native engine (dtr.native, what dtr.enable() runs on a CPU-only
+machine), side by side in one process, medians of several repeats. Then the
 add through each layer of the Python route without dtr's bookkeeping (a no-op dispatch
 mode, a no-op wrapper subclass): the floor of any design that keeps Python dispatch.
 Then a cProfile split of dtr's add (it cannot see into the C++ fast path: the
 bookkeeping there and the kernel it calls are charged to the dispatch handler). Then a
 full training step of each bench model at its bench scale with no budget: eager, under a
 dispatch mode that only runs each op (the floor of any design that sees ops through a
-mode), under dtr, and on dtr's Python path, rounds interleaved. Writes
+mode), under the subclass engine, on its Python path and under the native engine, rounds
+interleaved. Writes
 bench/results/overhead.csv.
 
     python -m bench.overhead            # about two minutes
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import math
 import os
 import pstats
@@ -93,10 +97,10 @@ def small_ops(n: int, repeats: int) -> list[dict]:
             ("budget", "1GiB", True),
             ("python path", None, False),
         ):
-            with python_path(not fast), dtr.enable(budget=budget):
+            with python_path(not fast), dtr.enable(budget=budget, engine="subclass"):
                 timings[label] = _per_op_us(fn, *_inputs(in_place), n, repeats)
-        try:  # the experimental engine (dtr.native): no Python per op
-            with dtr.native.enable():
+        try:  # the native engine (dtr.native): no Python per op
+            with dtr.enable(engine="native"):
                 timings["native"] = _per_op_us(fn, *_inputs(in_place), n, repeats)
         except NotImplementedError:
             timings["native"] = math.nan  # an op the engine does not serve yet
@@ -163,9 +167,9 @@ def floors(n: int, repeats: int) -> list[dict]:
         rows.append(dict(route="no-op dispatch mode", us=_per_op_us(fn, x, w, n, repeats)))
     leaf = _Wrapper(torch.randn(64, 64), requires_grad=True)
     rows.append(dict(route="no-op wrapper subclass", us=_per_op_us(fn, leaf * 1, w, n, repeats)))
-    with python_path(), dtr.enable():
+    with python_path(), dtr.enable(engine="subclass"):
         rows.append(dict(route="dtr, Python path", us=_per_op_us(fn, *_inputs(False), n, repeats)))
-    with dtr.enable():
+    with dtr.enable(engine="subclass"):
         us = _per_op_us(fn, *_inputs(False), n, repeats)
         rows.append(dict(route="dtr, C++ fast path", us=us))
     return rows
@@ -187,10 +191,11 @@ def _category(func: tuple) -> str:
 
 
 def breakdown(n: int) -> list[dict]:
-    """Where the time of a managed 64x64 add goes: cProfile's tottime per category, per
-    op (profiling inflates Python's share, so read it as proportions)."""
+    """Where the time of a managed 64x64 add goes on the subclass engine: cProfile's
+    tottime per category, per op (profiling inflates Python's share, so read it as
+    proportions; the native engine runs no Python per op)."""
     fn = SMALL_OPS["add 64x64"]
-    with dtr.enable(budget="1GiB"):
+    with dtr.enable(budget="1GiB", engine="subclass"):
         x, w = _inputs(False)
         prof = cProfile.Profile()
         prof.enable()
@@ -214,14 +219,15 @@ def _step_contexts() -> dict:
     return {
         "eager": contextlib.nullcontext,
         "no-op mode": _NoopMode,
-        "dtr": dtr.enable,
+        "dtr": functools.partial(dtr.enable, engine="subclass"),
         "dtr, Python path": _python_path_session,
+        "native": functools.partial(dtr.enable, engine="native"),
     }
 
 
 @contextlib.contextmanager
 def _python_path_session():
-    with python_path(), dtr.enable() as session:
+    with python_path(), dtr.enable(engine="subclass") as session:
         yield session
 
 
@@ -261,6 +267,7 @@ def steps(models: list[str], n: int, rounds: int, scale: int | None = None) -> l
                 mode_ms=ms["no-op mode"],
                 dtr_ms=ms["dtr"],
                 python_ms=ms["dtr, Python path"],
+                native_ms=ms["native"],
                 ops=ops,
             )
         )
@@ -291,7 +298,7 @@ def main(argv=None) -> None:
     header = [
         "op",
         "eager us",
-        "dtr us",
+        "subclass us",
         "added us",
         "ratio",
         "under budget us",
@@ -331,16 +338,18 @@ def main(argv=None) -> None:
     print(
         "\ntraining steps (bench-scale models, Adam, one thread), no budget: eager, a dispatch"
         "\nmode that only runs each op (the floor of any design that sees ops through a mode),"
-        "\ndtr, and dtr's Python path; CPU time, medians of rounds run side by side"
+        "\nthe subclass engine (dtr), its Python path, and the native engine; CPU time, medians"
+        "\nof rounds run side by side"
     )
     print_table(
         [
             "model (scale)",
             "eager ms",
             "no-op mode",
-            "dtr",
-            "dtr / no-op mode",
+            "subclass",
+            "subclass / no-op mode",
             "Python path",
+            "native",
             "ops/step",
         ],
         [
@@ -351,6 +360,7 @@ def main(argv=None) -> None:
                 f"{r['dtr_ms'] / r['eager_ms']:.3f}x",
                 f"{r['dtr_ms'] / r['mode_ms']:.3f}x",
                 f"{r['python_ms'] / r['eager_ms']:.3f}x",
+                f"{r['native_ms'] / r['eager_ms']:.3f}x",
                 r["ops"],
             ]
             for r in model_rows
@@ -365,7 +375,7 @@ def main(argv=None) -> None:
     rows += [["small_op", r["op"], "native_us", r["native_us"]] for r in ops]
     rows += [["floor", r["route"], "us_per_op", r["us"]] for r in floor_rows]
     rows += [["breakdown", p["part"], "us_per_op", p["us_per_op"]] for p in parts]
-    for key in ("eager_ms", "mode_ms", "dtr_ms", "python_ms", "ops"):
+    for key in ("eager_ms", "mode_ms", "dtr_ms", "python_ms", "native_ms", "ops"):
         rows += [["step", r["model"], key, r[key]] for r in model_rows]
     write_csv(path, ["kind", "name", "metric", "value"], [[*r[:3], f"{r[3]:.4g}"] for r in rows])
     print(f"\nwrote {path}")

@@ -26,7 +26,7 @@ import torch
 
 from dtr._core import core_class
 from dtr._pycore import DEFAULT_HEURISTIC, NEW
-from dtr.config import SEARCH_SAMPLE_DEFAULT
+from dtr.config import SEARCH_SAMPLE_DEFAULT, resolve
 
 from .common import BENCH_SCALE, RESULTS, print_table, timed_steps, write_csv
 from .models import MODELS
@@ -147,11 +147,13 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-synthetic", action="store_true")
     parser.add_argument(
         "--engine",
-        default="default",
-        choices=["default", "native"],
-        help="live runs: dtr's engine (native: bench/results/search_live.native.csv)",
+        default="auto",
+        choices=["auto", "native", "subclass"],
+        help="live runs: dtr's engine (auto: dtr.enable()'s choice here; the native "
+        "engine's rows go to bench/results/search_live.native.csv)",
     )
     args = parser.parse_args(argv)
+    args.engine = resolve(engine=args.engine).engine
     torch.set_num_threads(1)
     if not args.skip_synthetic:
         rows = synthetic(args)

@@ -7,7 +7,7 @@ parameters are compared bit for bit.
 
     python -m bench.train                                   # transformer at 40% of its peak
     python -m bench.train --model cnn --budget 8MiB --heuristic dtr_eq --steps 50
-    python -m bench.train --engine native --check           # the native engine (CPU)
+    python -m bench.train --engine subclass --check         # the subclass engine (any device)
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--engine",
         default=None,
-        choices=["default", "native"],
-        help="dtr's engine (default: DTR_ENGINE, else the default engine)",
+        choices=["auto", "native", "subclass"],
+        help="dtr's engine (default: DTR_ENGINE, else auto: the native engine on a "
+        "CPU-only machine)",
     )
     args = parser.parse_args(argv)
     engine = {"engine": args.engine} if args.engine else {}

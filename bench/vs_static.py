@@ -372,14 +372,14 @@ def measure(
     context=None,
     optimizer: str = "adam",
     device: str = "cpu",
-    engine: str = "dtr",
+    engine: str = "subclass",
 ) -> dict:
     """Train warmup + steps steps with make_loss(model) as batch -> loss (under
-    dtr.enable(**dtr_kwargs) unless None, or dtr.native.enable(**dtr_kwargs) with engine
-    "native", and inside `context`), then one more step for
-    the peak: on the CPU under torch.profiler (its allocation events, plus the state alive
-    before the step), on CUDA the caching allocator's max_memory_allocated over what was
-    allocated before the model existed (the same things, counted by the allocator).
+    dtr.enable(engine=engine, **dtr_kwargs) unless None, and inside `context`), then one
+    more step for the peak: on the CPU under torch.profiler (its allocation events, plus
+    the state alive before the step), on CUDA the caching allocator's
+    max_memory_allocated over what was allocated before the model existed (the same
+    things, counted by the allocator).
     Returns step_s (median over the timed steps of the process's CPU time; on CUDA of the
     wall time between two synchronizations, since the kernels run asynchronously), wall_s
     (median wall time), first_s (wall time of the first step: compilation), peak (bytes),
@@ -399,7 +399,7 @@ def measure(
         cpu, wall = [], []
         session = None
         if dtr_kwargs is not None:
-            session = (dtr.native.enable if engine == "native" else dtr.enable)(**dtr_kwargs)
+            session = dtr.enable(engine=engine, **dtr_kwargs)
         with context or contextlib.nullcontext(), session or contextlib.nullcontext():
             for i, batch in enumerate(data[:-1]):
                 sync()
@@ -484,7 +484,7 @@ def compare(
     optimizer: str = "adam",
     verbose: bool = True,
     device: str = "cpu",
-    engine: str = "dtr",
+    engine: str = "subclass",
     confirm: int = 0,
 ) -> list[dict]:
     """Every method on one model; one dict per run (see the module's docstring). With
@@ -879,10 +879,10 @@ def main(argv=None) -> None:
     parser.add_argument("--cost-model", default="time", choices=["time", "roofline"])
     parser.add_argument(
         "--engine",
-        default="dtr",
-        choices=["dtr", "native"],
-        help="dtr's engine: dtr.enable() (default) or the experimental dtr.native.enable() "
-        "(CPU); results go to vs_static.native.csv",
+        default="auto",
+        choices=["auto", "native", "subclass"],
+        help="dtr's engine (auto: dtr.enable()'s choice on this machine, the native one "
+        "on a CPU-only machine); the native engine's results go to vs_static.native.csv",
     )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads, all methods"
@@ -902,6 +902,8 @@ def main(argv=None) -> None:
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
     if args.engine == "native" and args.device != "cpu":
         parser.error("--engine native: CPU only")
+    if args.engine == "auto":  # what dtr.enable() would run here, named in the results
+        args.engine = "subclass" if args.device != "cpu" else dtr.config.resolve().engine
     if args.out is None:
         folder = os.path.join(RESULTS, "gpu") if args.device == "cuda" else RESULTS
         stem = "vs_static.native" if args.engine == "native" else "vs_static"

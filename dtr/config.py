@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 
 from . import device as _device
+from . import engines as _engines
 from ._pycore import DEFAULT_HEURISTIC, HEURISTICS
 from .cost import COST_MODELS
 from .errors import ConfigError
@@ -28,9 +30,11 @@ ENV_LOG_STEPS = "DTR_LOG_STEPS"
 ENV_ENGINE = "DTR_ENGINE"
 ENV_MEASURE = "DTR_MEASURE"
 
-# "default": a Python dispatch mode with a C++ fast path, on any device; "native": managed
-# tensors as a C++ TensorImpl, every op through one C++ fallback (CPU only; dtr.native).
-ENGINES = ("default", "native")
+# "auto" (the default: the native engine unless the machine has an accelerator, ...);
+# "native": managed tensors as a C++ TensorImpl, every op through one C++ fallback (CPU
+# only; dtr.native); "subclass": a Python wrapper subclass and dispatch mode with a C++
+# fast path, on any device. dtr/engines.py has the rule.
+ENGINES = _engines.ENGINES
 
 # What the budget is held to: "dtr", dtr's own count of the bytes it manages (the values
 # of managed tensors and the constants their ops read); "allocator", everything the CUDA
@@ -67,7 +71,8 @@ class DTRConfig:
         timeline: how many op boundaries to keep in session.timeline() (the newest);
             0 records none.
         log_steps: log a one-line summary per optimizer step to the "dtr" logger.
-        engine: "default" or "native" (see ENGINES).
+        engine: the engine that runs the session, "native" or "subclass" (dtr.enable()
+            resolves "auto" to one of them; see dtr/engines.py).
         measure: "dtr" or "allocator" (see MEASURES).
     """
 
@@ -83,7 +88,7 @@ class DTRConfig:
     trace: str | None = None
     timeline: int = 0
     log_steps: bool = False
-    engine: str = "default"
+    engine: str = "subclass"
     measure: str = "dtr"
 
     def __post_init__(self) -> None:
@@ -110,8 +115,11 @@ class DTRConfig:
                     f"dtr: trace {self.trace!r} (option trace or {ENV_TRACE}): folder "
                     f"{folder!r} does not exist; give a file path in an existing folder"
                 )
-        if self.engine not in ENGINES:
-            raise ConfigError(f"dtr: unknown engine {self.engine!r}; valid: {', '.join(ENGINES)}")
+        if self.engine not in ENGINES[1:]:
+            raise ConfigError(
+                f"dtr: engine must be 'native' or 'subclass' here, got {self.engine!r} "
+                "(dtr.enable() resolves 'auto')"
+            )
         if self.cost_model not in COST_MODELS:
             raise ConfigError(
                 f"dtr: unknown cost_model {self.cost_model!r}; valid: {', '.join(COST_MODELS)}"
@@ -194,6 +202,27 @@ def _env_choice(
     return value
 
 
+def _engine(engine, env: Mapping[str, str], python_core: bool, measure: str) -> str:
+    """The engine that runs the session, "native" or "subclass": from the option, else
+    DTR_ENGINE, else "auto", which dtr/engines.py resolves."""
+    names = (*ENGINES, *_engines.OLD_NAMES)
+    if engine is None:
+        engine = _env_choice(env, ENV_ENGINE, "engine", "auto", names)
+    elif engine not in names:
+        raise ConfigError(f"dtr: unknown engine {engine!r}; valid: {', '.join(ENGINES)}")
+    if engine in _engines.OLD_NAMES:
+        new = _engines.OLD_NAMES[engine]
+        warnings.warn(
+            f"dtr: engine {engine!r} is now called {new!r} (the default is 'auto')",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        engine = new
+    if engine == "auto":
+        engine, _ = _engines.choose(python_core, measure)
+    return engine
+
+
 def force_python(env: Mapping[str, str] | None = None) -> bool:
     """DTR_FORCE_PYTHON=1 selects the pure-Python core."""
     return bool(_env_flag(os.environ if env is None else env, ENV_FORCE_PYTHON))
@@ -240,14 +269,12 @@ def resolve(
     log_steps = options.get("log_steps")
     if log_steps is None:
         log_steps = bool(_env_flag(env, ENV_LOG_STEPS))
-    engine = options.get("engine")
-    if engine is None:
-        engine = _env_choice(env, ENV_ENGINE, "engine", "default", ENGINES)
     measure = options.get("measure")
     if measure is None:
         measure = _env_choice(env, ENV_MEASURE, "measure", "dtr", MEASURES)
     if measure == "allocator":
         _device.allocator_meter()  # no CUDA: a ConfigError now, at enable() time
+    engine = _engine(options.get("engine"), env, force_python(env), measure)
     timeline = options.get("timeline", 0)
     if timeline is True:
         timeline = TIMELINE_DEFAULT

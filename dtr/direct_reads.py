@@ -5,7 +5,7 @@ target_lengths: Tensor)`` are CompositeImplicitAutograd: their kernels run at th
 key, above dtr's dispatch mode, and read those arguments through ``data_ptr()``. A
 managed tensor is a wrapper with no memory of its own, so they failed inside PyTorch
 ("data is not allocated yet"). For these overloads only, a kernel of ours at the
-AutogradCPU and AutogradCUDA keys (the devices the default engine runs on; the Autograd
+AutogradCPU and AutogradCUDA keys (the devices the subclass engine runs on; the Autograd
 alias would not do, since a CompositeImplicitAutograd kernel takes precedence over it)
 hands each such argument over as its value (recomputed first if it is
 evicted: a ``READ`` in the trace, which the simulator replays) and then runs PyTorch's

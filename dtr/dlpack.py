@@ -2,7 +2,7 @@
 
 ``torch.to_dlpack`` (also ``torch.utils.dlpack.to_dlpack``) is a C function that reads a
 tensor's memory without dispatching an op or consulting the tensor's Python methods. On
-the default engine's wrapper, which has no memory of its own, it built a capsule at
+the subclass engine's wrapper, which has no memory of its own, it built a capsule at
 address 0 and reading it crashed the process (measured: a segmentation fault in
 ``torch.from_dlpack``); on the native engine it handed out the value's raw address,
 which an eviction then freed under the capsule. Once a session has been opened (either

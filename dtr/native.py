@@ -1,23 +1,23 @@
-"""The native engine (experimental): managed tensors as a C++ TensorImpl, every op through
-one C++ fallback with no Python per op (csrc/native.cpp; dtr/NOTES.md, "The PrivateUse1
-route").
+"""The native engine: managed tensors as a C++ TensorImpl, every op through one C++
+fallback with no Python per op (csrc/native.cpp; dtr/NOTES.md, "The PrivateUse1 route").
+dtr.enable() runs it on a CPU-only machine (engine="auto", dtr/engines.py).
 
-    with dtr.native.enable(budget="1GiB") as session:
+    with dtr.enable(budget="1GiB", engine="native") as session:   # or dtr.native.enable
         train()
     print(session.stats())
 
 What it serves and what it refuses is in csrc/native.cpp's header: it serves ops that
-write nothing, views, plain ops, in-place writes (new versions, as the default engine's),
+write nothing, views, plain ops, in-place writes (new versions, as the subclass engine's),
 in-place view ops and random ops (replayed from their generator's state); it refuses
 with dtr.UnsupportedError, naming the op, in-place ops that replace a managed tensor's
 storage (resize_, set_), managed tensors mixed with sparse ones, and tensors off the CPU.
 PyTorch's OpInfo database runs under it in stress mode bit for bit as eager
 (tests/test_opinfo.py, test_native_*).
 Gradients accumulated into a leaf's .grad are handed out plain. An infeasible budget
-raises dtr.BudgetError. Traces (trace=, DTR_TRACE) are the default engine's format, for
+raises dtr.BudgetError. Traces (trace=, DTR_TRACE) are the subclass engine's format, for
 dtr.sim; timelines and per-step logs are dtr.enable()'s too, and so is the handling of
 torch.distributed's collectives (never recorded; managed arguments handed over plain);
-OOM retry (CUDA) is the default engine's only (dtr.enable).
+OOM retry (CUDA) is the subclass engine's only.
 
 While a session is open, CPU allocations of 64 KiB and up in this process go through a
 cache that keeps freed blocks for the next request of the same size, as CUDA's caching
@@ -251,6 +251,11 @@ class NativeSession:
             raise DTRError("dtr: reset_peak() needs an active session")
         self._peak_carry = self._max_carry = 0
         self._engine.reset_peak()
+
+    @property
+    def engine(self) -> str:
+        """The engine running this session: "native"."""
+        return self.config.engine
 
     def stats(self) -> Stats:
         """The same dtr.Stats as a dtr.enable() session's (core: "native")."""

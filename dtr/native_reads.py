@@ -102,7 +102,7 @@ def _replacements(_C) -> dict:
 
     def plain_copy(self) -> torch.Tensor:
         # A copy of the value (recomputed if evicted), a leaf that requires grad as self
-        # is one: what the default engine's wrapper reduces and deep-copies to.
+        # is one: what the subclass engine's wrapper reduces and deep-copies to.
         value = _C.native_read(self)
         if self.requires_grad and self.is_leaf:
             value.requires_grad_(True)

@@ -166,6 +166,11 @@ class Session:
     def active(self) -> bool:
         return self._runtime is not None
 
+    @property
+    def engine(self) -> str:
+        """The engine running this session: "subclass"."""
+        return self.config.engine
+
     def stats(self) -> Stats:
         """Counters so far (inside the block) or final (after it)."""
         if self._runtime is not None:
@@ -266,9 +271,12 @@ def enable(budget: object = None, heuristic: str | None = None, **options) -> Se
             "time": measured wall time); ``trace="run.jsonl"`` records every op for
             the simulator (dtr.sim); ``timeline=True`` keeps resident bytes per op for
             :meth:`Session.timeline`; ``log_steps=True`` logs a summary per
-            optimizer step (:meth:`Session.end_step`); ``engine="native"`` (or
-            ``DTR_ENGINE=native``) runs the block on the native engine (CPU tensors
-            only; see :mod:`dtr.native`), "default" on this one.
+            optimizer step (:meth:`Session.end_step`); ``engine`` (or
+            ``DTR_ENGINE``): "auto" (the default) runs the block on the native engine
+            (C++ per op, CPU tensors only; :mod:`dtr.native`) unless the machine has an
+            accelerator or something else rules it out (dtr/engines.py), else on the
+            subclass engine (this module's :class:`Session`, any device); "native" or
+            "subclass" choose one.
 
     Returns:
         A :class:`Session` (a :class:`dtr.native.NativeSession` for the native engine,
@@ -289,7 +297,7 @@ def enable(budget: object = None, heuristic: str | None = None, **options) -> Se
         except ImportError as e:
             raise ConfigError(
                 "dtr: engine 'native' needs dtr's C++ extension (dtr._C), which this "
-                f"install lacks ({e}); build it (pip install -e .) or use engine='default'"
+                f"install lacks ({e}); build it (pip install -e .) or use engine='subclass'"
             ) from None
         from .native import NativeSession
 

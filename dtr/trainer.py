@@ -17,7 +17,7 @@ The callback opens a dtr session when training begins and closes it when trainin
 each Trainer step (one optimizer update, after any gradient accumulation) is one dtr
 step (:meth:`dtr.Session.end_step`, logged to the "dtr" logger at INFO). If training
 raises, the Trainer calls no callback: call ``callback.close()`` (or use way 1).
-``DTRCallback(engine="native")`` runs it on the native engine (CPU; see dtr.native).
+``DTRCallback(engine=...)`` picks the engine, as dtr.enable does (default "auto").
 Importing this module needs ``transformers``.
 """
 

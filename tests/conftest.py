@@ -37,17 +37,27 @@ CORES = ["c++", "python"] if HAVE_CPP else ["python"]
 
 @pytest.fixture(params=CORES)
 def core(request, monkeypatch):
-    """Selects the core dtr.enable() uses for this test."""
+    """Selects the core of the subclass engine (the one with two cores) that dtr.enable()
+    uses for this test."""
+    monkeypatch.setenv("DTR_ENGINE", "subclass")
     monkeypatch.setenv("DTR_FORCE_PYTHON", "1" if request.param == "python" else "0")
     return request.param
 
 
-@pytest.fixture(params=["default", "native"])
+@pytest.fixture(params=["subclass", "native"])
 def engine(request) -> str:
     """dtr.enable()'s engine; the native one needs the C++ extension."""
     if request.param == "native":
         pytest.importorskip("dtr._C", reason="the native engine is C++")
     return request.param
+
+
+@pytest.fixture
+def subclass_engine(monkeypatch):
+    """dtr.enable() without an engine runs the subclass engine: for tests of its own
+    machinery (the Python runtime, its fast path, OOM retry), which the engine
+    dtr.enable() picks on a CPU-only machine (the native one) does not have."""
+    monkeypatch.setenv("DTR_ENGINE", "subclass")
 
 
 @pytest.fixture(autouse=True)
@@ -64,9 +74,10 @@ def _clean_env(monkeypatch):
 
 @pytest.fixture
 def logged(monkeypatch):
-    """Keeps the eviction log of every live session's core."""
+    """Keeps the eviction log of every live session's core (the subclass engine's)."""
     import dtr.runtime
 
+    monkeypatch.setenv("DTR_ENGINE", "subclass")
     cores = []
     init = dtr.runtime.Runtime.__init__
 

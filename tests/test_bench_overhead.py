@@ -32,7 +32,7 @@ def test_step_comparison_end_to_end():
     rows = overhead.steps(["mlp", "tree"], n=1, rounds=1, scale=1)
     assert [r["model"] for r in rows] == ["mlp", "tree"]
     for r in rows:
-        for key in ("eager_ms", "mode_ms", "dtr_ms", "python_ms"):
+        for key in ("eager_ms", "mode_ms", "dtr_ms", "python_ms", "native_ms"):
             assert r[key] > 0, (r["model"], key)
         assert r["ops"] > 0 and r["scale"] == 1
     assert torch._C._len_torch_dispatch_stack() == 0

@@ -209,3 +209,50 @@ def test_extension_built_for_another_torch_is_not_used(monkeypatch):
         cls, kind = _core.core_class(False)
     assert kind == "python"
     assert any("built for torch 1.0.0" in str(w.message) for w in caught)
+
+
+def test_auto_engine_is_native_on_a_cpu_only_machine():
+    pytest.importorskip("dtr._C", reason="the native engine is C++")
+    if dtr.engines._accelerator_available():
+        pytest.skip("this machine has an accelerator: auto picks the subclass engine")
+    session = dtr.enable(budget="1GiB")
+    assert session.engine == "native" and isinstance(session, dtr.native.NativeSession)
+    with session:
+        x = torch.randn(8, 8, requires_grad=True)
+        y = x.exp().sum()
+        assert dtr.native.is_managed(x.exp())
+        y.backward()
+    assert session.stats().core == "native"
+    assert resolve(engine="auto").engine == "native"
+
+
+@pytest.mark.parametrize("why", ["accelerator", "python core", "extension", "privateuse1"])
+def test_auto_engine_falls_back_to_the_subclass_engine(monkeypatch, why):
+    # Each thing that rules the native engine out: auto then runs the subclass engine,
+    # and an explicit engine="native" is still honoured where it can run.
+    from dtr import _core, engines
+
+    monkeypatch.setattr(engines, "_accelerator_available", lambda: why == "accelerator")
+    if why == "python core":
+        monkeypatch.setenv("DTR_FORCE_PYTHON", "1")
+    elif why == "extension":
+        monkeypatch.setattr(_core, "_load_extension", lambda: None)
+    elif why == "privateuse1":
+        monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "npu")
+    engine, reason = engines.choose(dtr.config.force_python(), "dtr")
+    assert engine == "subclass" and reason
+    session = dtr.enable()
+    assert session.engine == "subclass" and isinstance(session, dtr.session.Session)
+    assert resolve(engine="subclass").engine == "subclass"
+    assert engines.choose(False, "allocator")[0] == "subclass"
+
+
+def test_engine_names(monkeypatch):
+    assert dtr.enable(engine="subclass").engine == "subclass"
+    with pytest.raises(dtr.ConfigError, match="unknown engine 'python'; valid: auto, native, sub"):
+        dtr.enable(engine="python")
+    with pytest.warns(DeprecationWarning, match="'default' is now called 'subclass'"):
+        assert resolve(engine="default").engine == "subclass"
+    monkeypatch.setenv("DTR_ENGINE", "default")
+    with pytest.warns(DeprecationWarning):
+        assert dtr.enable().engine == "subclass"

@@ -62,9 +62,9 @@ DDP_SCENARIOS = ["ddp-sgd", "ddp-accumulate-adam"]
 try:
     import dtr._C  # noqa: F401
 
-    ENGINES = ["default", "native"]
+    ENGINES = ["subclass", "native"]
 except ImportError:  # the pure-Python build: no native engine
-    ENGINES = ["default"]
+    ENGINES = ["subclass"]
 
 
 class Net(nn.Module):

@@ -886,7 +886,7 @@ def _nested_jagged():
 def test_nested_jagged_tensors_of_managed_values(engine, mode):
     # A jagged tensor is a Python subclass over a values tensor, here a managed one. The
     # native engine serves its ops as any other (the values are ordinary managed
-    # tensors); the default engine lets the subclass serve each op on its values, whose
+    # tensors); the subclass engine lets the subclass serve each op on its values, whose
     # ops then reach dtr (it refused them by name before the eighth session), and its
     # constructor reads the values' storage size without pinning them (every value was
     # pinned, and no budget below the peak could be met).

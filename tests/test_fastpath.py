@@ -3,7 +3,8 @@
 The fast path serves the common op in one call into C++ and hands every other op to
 Runtime.handle. It must make the same core calls in the same order, so the same program
 under the same budget evicts the same tensors, and compute the same values bit for bit.
-The rest of the suite runs on it too (every test with the C++ core and no trace).
+The rest of the suite's subclass-engine tests run on it too (every test with the C++ core
+and no trace).
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from bench.models import MODELS as SPECS
 from bench.models import batches, build
 from tests.conftest import HAVE_CPP
 
-pytestmark = pytest.mark.skipif(not HAVE_CPP, reason="the C++ core is not built")
+# The fast path is the subclass engine's; dtr.enable() here runs that engine.
+pytestmark = [
+    pytest.mark.skipif(not HAVE_CPP, reason="the C++ core is not built"),
+    pytest.mark.usefixtures("subclass_engine"),
+]
 
 MODELS = ["mlp", "cnn", "lstm", "transformer", "tree"]
 

@@ -532,7 +532,7 @@ def _interruptible_program(held: list) -> None:
     # Both cores see the same sequence of calls, so the Python one samples it.
     [("c++", "budget", 1), ("python", "budget", 7), ("c++", "stress", 41)],
 )
-def test_interrupt_between_any_two_core_calls(monkeypatch, kind, mode, stride):
+def test_interrupt_between_any_two_core_calls(monkeypatch, subclass_engine, kind, mode, stride):
     # An interrupt lands between two of dtr's core calls, at every such point of a
     # program (~940 with a budget; every 41st of ~6000 under stress mode), the end of
     # the block included. After each, no session is left active and every tensor the
@@ -914,7 +914,7 @@ def _scripted_mlp():
 
 def test_a_budget_error_inside_a_scripted_module_keeps_its_type_and_message(engine):
     # TorchScript reports an op that failed below its interpreter as its own
-    # RuntimeError: it read the default engine's BudgetError (raised in Python, in dtr's
+    # RuntimeError: it read the subclass engine's BudgetError (raised in Python, in dtr's
     # dispatch mode) as an empty message, and the native engine's as a plain
     # RuntimeError. The session ends by raising the dtr error, from the interpreter's.
     model = _scripted_mlp()
@@ -928,7 +928,7 @@ def test_a_budget_error_inside_a_scripted_module_keeps_its_type_and_message(engi
 
 def test_a_kernels_error_inside_a_scripted_module_keeps_its_message(engine):
     # The same for PyTorch's own errors on managed tensors (a shape mismatch), which
-    # the interpreter also read as empty on the default engine; a dtr error made
+    # the interpreter also read as empty on the subclass engine; a dtr error made
     # earlier in the block (a refused nested session) is not taken for it.
     model = _scripted_mlp()
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as e:

@@ -10,7 +10,7 @@ runs with a linear warm-up schedule (SGD with momentum as the second optimizer).
 training, ``model.eval()`` and an evaluation under ``torch.no_grad()`` inside the block.
 
 Runs and comparisons are those of ``tests/test_nn_blocks.py`` (``check``), under both
-engines (``dtr.enable`` and the native engine): eagerly; under
+engines (the subclass engine and the native one): eagerly; under
 dtr with no budget, which reports the peak P; at 50% and 30% of P, where dtr must both
 evict and recompute and stay within the budget; and in stress mode on a one-layer
 version. Losses, gradients after every step, evaluation logits, parameters and buffers
@@ -139,6 +139,6 @@ def test_hf_model_matches_eager(name, mode):
     "name, mode", [(name, mode) for name, case in CASES.items() for mode in case.modes()]
 )
 def test_native_hf_model_matches_eager(name, mode):
-    """The same loops under the native engine (dtr.native.enable)."""
+    """The same loops under the native engine."""
     pytest.importorskip("dtr._C", reason="the native engine is C++")
     check(CASES[name], mode, engine="native")

@@ -5,8 +5,9 @@ reports the peak P), then at budgets of 100%, 50% and 30% of P, and in stress mo
 evictable tensor evicted after every op, so every reuse is a recomputation). Losses,
 gradients after every step, parameters and buffers must be equal in every bit. The
 deterministic cost model keeps eviction decisions, and so feasibility, the same from run
-to run. All five models are feasible at 30% (see README, "What is tested"), on the
-native engine too (dtr.enable(engine="native"), at 30% of its own peak). (On CUDA the
+to run. All five models are feasible at 30% (see README, "What is tested"). Each run is
+made on both engines (the `engine` fixture: the subclass engine, and the native one on
+the CPU), each at fractions of its own peak. (On CUDA the
 LSTM's budgets are fractions of P less cuDNN's dropout states, which no budget can evict:
 see _cudnn_dropout_state_bytes.)
 
@@ -26,7 +27,10 @@ import pytest
 import torch
 
 from bench.harness import mismatches, train
+from tests.conftest import HAVE_CPP
 from tests.utils import DEVICES, deterministic
+
+HAVE_NATIVE = HAVE_CPP  # the native engine is part of the C++ extension
 
 MODELS = ["mlp", "cnn", "lstm", "transformer", "tree"]
 OPTIMIZERS = ["sgd", "adam"]
@@ -45,8 +49,14 @@ def _eager(name: str, optimizer: str, device: str):
 
 
 @functools.cache
-def _unbudgeted(name: str, optimizer: str, device: str):
-    return _train(name, optimizer, device, {"cost_model": "roofline"})
+def _unbudgeted(name: str, optimizer: str, device: str, engine: str):
+    return _train(name, optimizer, device, {"cost_model": "roofline", "engine": engine})
+
+
+def _on(engine: str, device: str) -> str:
+    if engine == "native" and device != "cpu":
+        pytest.skip("the native engine runs on the CPU only")
+    return engine
 
 
 def _check(name: str, optimizer: str, dtr_kwargs: dict, device: str):
@@ -59,9 +69,9 @@ def _check(name: str, optimizer: str, dtr_kwargs: dict, device: str):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("name", MODELS)
-def test_unbudgeted_matches_eager(name, optimizer, device):
+def test_unbudgeted_matches_eager(name, optimizer, device, engine):
     expected, exact = _eager(name, optimizer, device)
-    got, exact_here = _unbudgeted(name, optimizer, device)
+    got, exact_here = _unbudgeted(name, optimizer, device, _on(engine, device))
     assert mismatches(expected, got, exact and exact_here) == []
     assert got.stats.evictions == 0 and got.stats.remats == 0
     assert got.stats.peak_resident_bytes > 0
@@ -83,12 +93,13 @@ def _cudnn_dropout_state_bytes() -> int:
 @pytest.mark.parametrize("ratio", [1.0, 0.5, 0.3])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("name", MODELS)
-def test_budget_matches_eager(name, optimizer, ratio, device):
-    peak = _unbudgeted(name, optimizer, device)[0].stats.peak_resident_bytes
+def test_budget_matches_eager(name, optimizer, ratio, device, engine):
+    peak = _unbudgeted(name, optimizer, device, _on(engine, device))[0].stats.peak_resident_bytes
     fixed = _cudnn_dropout_state_bytes() * 3 if name == "lstm" and device == "cuda" else 0
     fixed = min(fixed, peak)
     budget = fixed + int((peak - fixed) * ratio)
-    got = _check(name, optimizer, {"budget": budget, "cost_model": "roofline"}, device)
+    kwargs = {"budget": budget, "cost_model": "roofline", "engine": engine}
+    got = _check(name, optimizer, kwargs, device)
     stats = got.stats
     assert stats.peak_resident_bytes <= budget
     if ratio < 1.0:
@@ -98,37 +109,23 @@ def test_budget_matches_eager(name, optimizer, ratio, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("name", MODELS)
-def test_stress_matches_eager(name, optimizer, device):
-    got = _check(name, optimizer, {"stress": True}, device)
+def test_stress_matches_eager(name, optimizer, device, engine):
+    got = _check(name, optimizer, {"stress": True, "engine": _on(engine, device)}, device)
     assert got.stats.remats > got.stats.ops / 2, "stress mode recomputed too little"
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_python_core_matches_eager_at_30_percent(name, monkeypatch):
-    # The same run on the pure-Python core: same results, and the same decisions as the
-    # C++ core (the counters agree exactly under the deterministic cost model).
-    peak = _unbudgeted(name, "sgd", "cpu")[0].stats.peak_resident_bytes
+def test_cores_and_engines_decide_alike_at_30_percent(name, monkeypatch):
+    # The same run on the subclass engine's C++ core, on its pure-Python twin and on the
+    # native engine: same results, and the same decisions (the counters agree exactly
+    # under the deterministic cost model).
+    peak = _unbudgeted(name, "sgd", "cpu", "subclass")[0].stats.peak_resident_bytes
     kwargs = {"budget": int(peak * 0.3), "cost_model": "roofline"}
-    cpp = _check(name, "sgd", kwargs, "cpu").stats
+    runs = {"c++": _check(name, "sgd", {**kwargs, "engine": "subclass"}, "cpu").stats}
+    if HAVE_NATIVE:
+        runs["native"] = _check(name, "sgd", {**kwargs, "engine": "native"}, "cpu").stats
     monkeypatch.setenv("DTR_FORCE_PYTHON", "1")
-    py = _check(name, "sgd", kwargs, "cpu").stats
-    assert py.core == "python"
-    assert (py.evictions, py.remats, py.peak_resident_bytes) == (
-        cpp.evictions,
-        cpp.remats,
-        cpp.peak_resident_bytes,
-    )
-
-
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
-@pytest.mark.parametrize("name", MODELS)
-def test_native_engine_at_30_percent_matches_eager(name, optimizer):
-    """The native engine (dtr.enable(engine="native")) at 30% of its own unbudgeted peak:
-    losses, gradients after every step, parameters and buffers bitwise as eager."""
-    pytest.importorskip("dtr._C", reason="the native engine is C++")
-    native = {"engine": "native", "cost_model": "roofline"}
-    free, _ = _train(name, optimizer, "cpu", native)
-    budget = int(free.stats.peak_resident_bytes * 0.3)
-    got = _check(name, optimizer, {**native, "budget": budget}, "cpu")
-    assert got.stats.core == "native" and got.stats.peak_resident_bytes <= budget
-    assert got.stats.evictions > 0 and got.stats.remats > 0
+    runs["python"] = _check(name, "sgd", {**kwargs, "engine": "subclass"}, "cpu").stats
+    assert {kind: stats.core for kind, stats in runs.items()} == {k: k for k in runs}
+    decisions = {k: (s.evictions, s.remats, s.peak_resident_bytes) for k, s in runs.items()}
+    assert len(set(decisions.values())) == 1, decisions

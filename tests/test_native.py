@@ -225,7 +225,7 @@ def test_legacy_new_and_shared_memory_of_a_managed_tensor(stress):
 
 def test_save_pickle_and_deepcopy_of_an_evicted_value():
     # They read the memory directly and failed on an evicted value; now a copy of the
-    # value, recomputed, as the default engine's wrapper reduces to its plain value.
+    # value, recomputed, as the subclass engine's wrapper reduces to its plain value.
     x = torch.randn(16, 16, requires_grad=True)
     want = (x * 2).tanh().detach()
     with native.enable(stress=True):
@@ -341,8 +341,8 @@ def test_materialize_hands_out_a_plain_tensor():
     assert not native.is_managed(dtr.materialize(h))
 
 
-def test_does_not_nest_with_the_default_engine():
-    with dtr.enable():
+def test_does_not_nest_with_the_subclass_engine():
+    with dtr.enable(engine="subclass"):
         with pytest.raises(dtr.DTRError, match="do not nest"):
             with native.enable():
                 pass
@@ -570,7 +570,7 @@ def test_roofline_costs_repeat_the_same_evictions():
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "lstm", "transformer", "tree"])
 def test_a_native_run_and_its_trace_replayed_evict_alike(name, tmp_path):
-    """The native engine writes the default engine's trace format (trace=, .gz
+    """The native engine writes the subclass engine's trace format (trace=, .gz
     compressed): dtr.sim replays it, both of its cores, to the same evictions in the same
     order as the live run, under the same budget and (roofline) costs."""
     import gzip
@@ -906,7 +906,10 @@ def test_the_peaks_are_the_blocks():
 def test_one_session_per_process_of_either_engine():
     with native.enable():
         with pytest.raises(dtr.DTRError, match="the two engines do not nest"):
-            with dtr.enable():
+            with dtr.enable(engine="subclass"):
+                pass
+        with pytest.raises(dtr.DTRError, match="a native session is already open"):
+            with dtr.enable():  # "auto": the native engine on this machine
                 pass
         errors = []
 
@@ -921,7 +924,7 @@ def test_one_session_per_process_of_either_engine():
         thread.start()
         thread.join()
         assert len(errors) == 1 and "a native session is already open" in errors[0]
-    with dtr.enable():  # both free again
+    with dtr.enable(engine="subclass"):  # both free again
         pass
     session = native.enable()
     with session:
@@ -1020,7 +1023,7 @@ def test_a_plain_tensor_changed_behind_the_engine_is_refused_on_recompute(change
     written on another thread, gets another storage (`p.data = ...`, Module.half()) or
     has its storage freed (what FSDP2 does when it reshards). Recomputing would read
     the new values (or freed memory) where the program read the old ones: refused with
-    the default engine's dtr.UnsupportedError (tests/test_faults.py, test_ddp.py)."""
+    the subclass engine's dtr.UnsupportedError (tests/test_faults.py, test_ddp.py)."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(8, 8))
     x = torch.randn(4, 8)
@@ -1102,12 +1105,15 @@ def test_dtr_enable_selects_the_native_engine(monkeypatch):
         assert from_env.active and dtr.session.current() is from_env
     assert isinstance(from_env, native.NativeSession)
     monkeypatch.setenv("DTR_ENGINE", "c++")
-    with pytest.raises(dtr.ConfigError, match="unknown engine 'c..' in DTR_ENGINE; valid: def"):
+    with pytest.raises(dtr.ConfigError, match="unknown engine 'c..' in DTR_ENGINE; valid: auto"):
         dtr.enable()
-    with pytest.raises(dtr.ConfigError, match="unknown engine 'fast'; valid: default, native"):
+    with pytest.raises(dtr.ConfigError, match="unknown engine 'fast'; valid: auto, native, sub"):
         dtr.enable(engine="fast")
-    monkeypatch.setenv("DTR_ENGINE", "default")
+    monkeypatch.setenv("DTR_ENGINE", "subclass")
     assert isinstance(dtr.enable(), dtr.session.Session)
+    monkeypatch.setenv("DTR_ENGINE", "default")  # the subclass engine's old name
+    with pytest.warns(DeprecationWarning, match="engine 'default' is now called 'subclass'"):
+        assert dtr.enable().engine == "subclass"
 
 
 def test_the_native_engine_without_the_extension_is_a_config_error(monkeypatch):

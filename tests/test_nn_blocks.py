@@ -13,8 +13,8 @@ GroupNorm and LayerNorm, gradient accumulation over micro-batches,
 evaluates under ``model.eval()`` and ``torch.no_grad()`` inside the block (the conv net
 then trains one more step).
 
-The runs are those of ``tests/test_models.py``, under both engines (``dtr.enable`` and
-the native engine, ``dtr.native.enable``): eagerly, under dtr with no budget (which
+The runs are those of ``tests/test_models.py``, under both engines (the subclass
+engine and the native one, ``dtr.enable(engine=...)``): eagerly, under dtr with no budget (which
 reports the peak P), at 50% and 30% of P (both must evict and recompute) and in stress
 mode (on a smaller version: its cost grows with the square of the depth). Losses,
 gradients after every step, evaluation outputs, parameters and buffers (the running
@@ -86,18 +86,18 @@ class Case:
 
 
 def trajectory(
-    case: Case, dtr_kwargs: dict | None = None, small: bool = False, engine: str = "dtr"
+    case: Case, dtr_kwargs: dict | None = None, small: bool = False, engine: str = "subclass"
 ) -> Run:
     """Build the model outside the block, run case.train eagerly (dtr_kwargs None) or
-    inside dtr.enable(**dtr_kwargs) (dtr.native.enable for engine "native"), and collect
-    what the loop recorded."""
+    inside dtr.enable(engine=engine, **dtr_kwargs), and collect what the loop recorded."""
     torch.manual_seed(0)
     model, data = case.build(small)
     model.train()
     run = Run([], [], [], [], None)
     torch.manual_seed(1)  # dropout's stream
-    enable = dtr.native.enable if engine == "native" else dtr.enable
-    ctx = enable(**dtr_kwargs) if dtr_kwargs is not None else contextlib.nullcontext()
+    ctx = contextlib.nullcontext()
+    if dtr_kwargs is not None:
+        ctx = dtr.enable(engine=engine, **dtr_kwargs)
     with ctx as session:
         case.train(model, data, run)
     run.params = [p.detach().clone() for p in model.parameters()]
@@ -126,11 +126,11 @@ def _eager(case: Case, small: bool = False) -> Run:
 
 
 @functools.cache
-def _unbudgeted(case: Case, engine: str = "dtr") -> Run:
+def _unbudgeted(case: Case, engine: str = "subclass") -> Run:
     return trajectory(case, {"cost_model": "roofline"}, engine=engine)
 
 
-def check(case: Case, mode, engine: str = "dtr") -> dtr.Stats:
+def check(case: Case, mode, engine: str = "subclass") -> dtr.Stats:
     """Run case under the engine in one of case.modes() and compare it with eager, bit
     for bit. Budgets must bind: the run evicts and recomputes, and stays within the
     budget (a fraction of the engine's own unbudgeted peak)."""
@@ -482,13 +482,13 @@ def test_block_matches_eager(name, mode):
     "name, mode", [(name, mode) for name, case in CASES.items() for mode in case.modes()]
 )
 def test_native_block_matches_eager(name, mode):
-    """The same loops under the native engine (dtr.native.enable)."""
+    """The same loops under the native engine."""
     pytest.importorskip("dtr._C", reason="the native engine is C++")
     check(CASES[name], mode, engine="native")
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast path", "python path"])
-def test_batch_norm_recomputed_but_statistics_updated_once(monkeypatch, fast):
+def test_batch_norm_recomputed_but_statistics_updated_once(monkeypatch, subclass_engine, fast):
     # The comparisons above would catch a second update of the running statistics only
     # if batch norm was really recomputed: count its kernel's calls here (both paths
     # call the op's C++ callable, _op), with and without stress mode.
@@ -523,7 +523,7 @@ def test_batch_norm_recomputed_but_statistics_updated_once(monkeypatch, fast):
         assert_bitwise(got, want, "running statistic")
 
 
-def test_held_tensors_rebuilt_before_a_parameter_update(monkeypatch):
+def test_held_tensors_rebuilt_before_a_parameter_update(monkeypatch, subclass_engine):
     # When a parameter is updated in place (an optimizer step), every tensor held by the
     # program or by autograd's saved values that reads it is rebuilt and pinned first.
     # Rebuilding one used to evict another that had been resident when checked: "pin of

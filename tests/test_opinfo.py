@@ -2,13 +2,14 @@
 
 Every op variant of ``op_db`` that runs on CPU in float32 or float64 is one test per
 dtype (``test_op[add-float32]``). Each sample is computed twice by the same code: once
-eagerly, once inside ``dtr.enable(stress=True, check=True)``, where every evictable value
-is evicted after every op, so the op, its inputs and every backward op are recomputed
-each time a value is read again. Inside the block each input tensor is the output of an
-op on the sample's tensor (a clone, or ``where`` for one that does not require grad),
-with the sample's strides, so the inputs are managed values too. Outputs and gradients
-(vector-Jacobian products with fixed random cotangents) must agree in every bit (NaNs
-compared as NaNs) and in strides, and be plain tensors after the block.
+eagerly, once on the subclass engine, inside ``dtr.enable(stress=True, check=True,
+engine="subclass")``, where every evictable value is evicted after every op, so the op,
+its inputs and every backward op are recomputed each time a value is read again. Inside
+the block each input tensor is the output of an op on the sample's tensor (a clone, or
+``where`` for one that does not require grad), with the sample's strides, so the inputs
+are managed values too. Outputs and gradients (vector-Jacobian products with fixed
+random cotangents) must agree in every bit (NaNs compared as NaNs) and in strides, and
+be plain tensors after the block.
 
 The in-place form of each op that has one (``test_inplace[add-float32]`` runs
 ``x.add_(y)``) is checked the same way: it exercises new versions of managed tensors and
@@ -113,8 +114,8 @@ def parse_expected(path: str = EXPECTED_FILE) -> dict[tuple[str, str, str | None
                 raise ValueError(f"{where}: want '<op> <dtypes|*> <category> <reason>'")
             key, dtypes, category, reason = parts
             key, _, engine = key.partition("@")
-            if engine and engine not in ("dtr", "native"):
-                raise ValueError(f"{where}: unknown engine {engine!r} (dtr or native)")
+            if engine and engine not in ("subclass", "native"):
+                raise ValueError(f"{where}: unknown engine {engine!r} (subclass or native)")
             names = tuple(dtype_name(d) for d in DTYPES) if dtypes == "*" else dtypes.split(",")
             if category not in CATEGORIES or not set(names) <= {dtype_name(d) for d in DTYPES}:
                 raise ValueError(f"{where}: unknown category or dtype in {line!r}")
@@ -125,7 +126,7 @@ def parse_expected(path: str = EXPECTED_FILE) -> dict[tuple[str, str, str | None
                 raise ValueError(f'{where}: quote the "..." error the user gets')
             # an entry for both engines clashes with any other; one for an engine, with
             # one for both or for the same engine
-            clashes = (None, engine) if engine else (None, "dtr", "native")
+            clashes = (None, engine) if engine else (None, "subclass", "native")
             for name in names:
                 if any((key, name, e) in entries for e in clashes):
                     raise ValueError(f"{where}: {key} {name} listed twice")
@@ -218,7 +219,7 @@ class Result:
 
 def run_sample(op, sample, backward: bool, under: str = "eager") -> Result:
     """Run op on a copy of the sample and return its outputs and gradients as plain
-    tensors. under: "eager"; "dtr" or "native" (that engine in stress mode, every
+    tensors. under: "eager"; "subclass" or "native" (that engine in stress mode, every
     invariant checked after every op); or "noop", eagerly under a dispatch mode that does
     nothing, which is what some backward formulas switch on (see the `tolerance`
     category)."""
@@ -226,8 +227,8 @@ def run_sample(op, sample, backward: bool, under: str = "eager") -> Result:
     leaves = [t for t in tree_flatten((inp, args, kwargs))[0] if _requires_grad(t)]
     torch.manual_seed(1234)
     session = None
-    if under == "dtr":
-        session = dtr.enable(stress=True, check=True)
+    if under == "subclass":
+        session = dtr.enable(stress=True, check=True, engine="subclass")
     elif under == "native":
         session = dtr.native.enable(stress=True, check=True)
     context = session or (_NoOpMode() if under == "noop" else contextlib.nullcontext())
@@ -402,7 +403,7 @@ def run_variant(
     category: str | None,
     inplace: bool = False,
     full: bool = FULL,
-    engine: str = "dtr",
+    engine: str = "subclass",
 ) -> Outcome:
     """The variant's samples (of its in-place form if inplace) eagerly and under the
     engine, compared as the category of its entry in the expected file says (bitwise when it has
@@ -555,7 +556,7 @@ def _params(inplace: bool):
 
 
 def check_variant(
-    op, dtype: torch.dtype, inplace: bool, engine: str = "dtr"
+    op, dtype: torch.dtype, inplace: bool, engine: str = "subclass"
 ) -> tuple[Outcome, list[str]]:
     entry = expected_entry(variant_key(op, inplace), dtype_name(dtype), engine)
     category = entry.category if entry else None
@@ -563,7 +564,7 @@ def check_variant(
     return outcome, verdict(outcome, entry)
 
 
-def _check(op, dtype, inplace: bool, engine: str = "dtr") -> None:
+def _check(op, dtype, inplace: bool, engine: str = "subclass") -> None:
     outcome, problems = check_variant(op, dtype, inplace, engine)
     if not outcome.samples and outcome.error is None:
         pytest.skip(f"all {outcome.skipped} samples raise in eager PyTorch on CPU too")
@@ -645,7 +646,7 @@ def test_listed_variants_are_held_to_their_entry():
 PASSING = ("bitwise", "tolerance", "nondeterministic", "uninitialized")
 
 
-def report(names: list[str], engine: str = "dtr") -> int:
+def report(names: list[str], engine: str = "subclass") -> int:
     """Run the sweep (or the named ops) under the engine, outside pytest; print each
     failure, then per dtype how many variants end in each state and the pass rate.
     Returns 1 on failures."""
@@ -693,7 +694,7 @@ def _rate(counts: collections.Counter) -> str:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    engine = "dtr"
+    engine = "subclass"
     if args[:1] == ["--native"]:
         engine, args = "native", args[1:]
     sys.exit(report(args, engine))

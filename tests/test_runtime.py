@@ -264,7 +264,7 @@ EXPORTERS = {
 @pytest.mark.parametrize("stress", [False, True])
 @pytest.mark.parametrize("export", list(EXPORTERS))
 def test_a_dlpack_capsule_shares_the_tensors_memory_as_in_eager(core, engine, stress, export):
-    # DLPack hands out the memory itself. On the default engine's wrapper (address 0)
+    # DLPack hands out the memory itself. On the subclass engine's wrapper (address 0)
     # every route crashed the process or read garbage; the native engine's value could
     # be evicted under the capsule. Now the value is pinned, as numpy() pins it
     # (dtr/dlpack.py, CheckpointTensor.__dlpack__, dtr/native_reads.py).
@@ -287,7 +287,7 @@ def test_a_dlpack_capsule_shares_the_tensors_memory_as_in_eager(core, engine, st
 
 
 def test_data_ptr_is_the_values_address_for_the_tensors_life(core, engine):
-    # The default engine's wrapper answered 0 for every managed tensor (code comparing
+    # The subclass engine's wrapper answered 0 for every managed tensor (code comparing
     # addresses saw them all alias); the native engine raised for an evicted value.
     x = torch.randn(64, 64, requires_grad=True)
     with dtr.enable(engine=engine, stress=True) as session:
@@ -321,7 +321,7 @@ def test_a_wrappers_storage_is_its_values(core):
 @pytest.mark.parametrize("stress", [False, True])
 def test_python_functions_applied_in_place_are_writes_as_in_eager(core, engine, stress):
     # apply_/map_/map2_ loop over the memory below dispatch: apply_ crashed the process
-    # on the default engine's wrapper; on the native engine a write dtr did not see was
+    # on the subclass engine's wrapper; on the native engine a write dtr did not see was
     # lost at the next recomputation, and an evicted value raised.
 
     def program():

@@ -105,7 +105,7 @@ PROGRAMS = {
     "embedding_sparse_grad": (_embedding_bag_of_words, 0.8),
 }
 NATIVE_WITHOUT_BUDGET = {"gcn_coo"}
-SETUPS = ["default", "default-python-core", "native"]
+SETUPS = ["subclass", "subclass-python-core", "native"]
 RUNS = [
     (name, mode, setup)
     for name in sorted(PROGRAMS)
@@ -192,9 +192,10 @@ def test_a_product_of_plain_tensors_autograd_needs_is_managed(engine):
     want_grad, weight.grad = weight.grad, None
     with dtr.enable(engine=engine, stress=True) as session:
         h = adj @ weight
-        managed = (
-            isinstance(h, dtr.CheckpointTensor) if engine == "default" else dtr.native.is_managed(h)
-        )
+        if engine == "subclass":
+            managed = isinstance(h, dtr.CheckpointTensor)
+        else:
+            managed = dtr.native.is_managed(h)
         got = program()
         got.backward()
         got = dtr.materialize(got)

@@ -91,7 +91,7 @@ def _eager(name: str):
     return None, None
 
 
-@pytest.mark.parametrize("engine", ["default", "native"])
+@pytest.mark.parametrize("engine", ["subclass", "native"])
 def test_every_tensor_method_matches_eager_on_a_managed_tensor(engine):
     if engine == "native":
         pytest.importorskip("dtr._C", reason="the native engine is C++")
@@ -131,7 +131,7 @@ def _attribute(name: str):
     return _value(getattr(x * 2, name))  # a managed non-leaf, with a grad_fn
 
 
-@pytest.mark.parametrize("engine", ["default", "native"])
+@pytest.mark.parametrize("engine", ["subclass", "native"])
 def test_every_tensor_attribute_matches_eager_on_a_managed_tensor(engine):
     # .T, .mT, .H, .data, .grad_fn, .is_leaf, .itemsize, .nbytes, .real, ...
     if engine == "native":
