@@ -17,14 +17,17 @@
 // read a written argument's old value reads a copy taken before the op), in-place view ops
 // (x.squeeze_(): the view op, x naming its result), random ops (replayed from the
 // generator state captured before they ran, Invariant 1), and ops on sparse, quantized or
-// nested tensors (left plain). Refused with dtr.UnsupportedError naming the op: in-place
-// ops that replace a managed tensor's storage (resize_, set_), a managed tensor mixed with
-// a sparse one, tensors not on the CPU. Gradients accumulated into a leaf's .grad are handed
-// out plain, as by the default engine. A budget that cannot be met raises dtr.BudgetError
-// with the numbers. Before an op runs under a budget, room is made for the bytes the last
-// call with the same op and input shapes allocated (dtr/reserve.py).
+// nested tensors (left plain; a plain sparse tensor a managed op reads is a constant of
+// its recipe, but a COO transpose is taken again from its source and torch.sparse.mm's
+// zeros is read as a managed copy: dtr/fresh.py, Made below). Refused with
+// dtr.UnsupportedError naming the op: in-place ops that replace a managed tensor's
+// storage (resize_, set_), a managed tensor mixed with a sparse one, tensors not on the
+// CPU. Gradients accumulated into a leaf's .grad are handed out plain, as by the default
+// engine. A budget that cannot be met raises dtr.BudgetError with the numbers. Before an
+// op runs under a budget, room is made for the bytes the last call with the same op and
+// input shapes allocated (dtr/reserve.py).
 // Stress mode evicts everything evictable after every op. A trace (csrc/native_trace.h)
-// records the core calls in the default engine's format, for dtr.sim. torch.distributed's
+// records the core calls in the subclass engine's format, for dtr.sim. torch.distributed's
 // collectives get plain tensors and are not recorded (collective(), below). OOM retry
 // (CUDA) is not here.
 #include "native.h"
@@ -44,6 +47,7 @@
 #include <cstdio>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -139,7 +143,7 @@ struct Unsupported : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// How Python names an op overload (str(torch.ops.aten.squeeze_.dim)): the default engine's
+// How Python names an op overload (str(torch.ops.aten.squeeze_.dim)): the subclass engine's
 // messages name ops so, and the two engines' messages are the same.
 std::string py_name(const c10::FunctionSchema& schema) {
   std::string name = schema.name();
@@ -201,7 +205,7 @@ std::vector<at::Tensor> sparse_parts(const at::Tensor& t) {
 // A plain tensor a recipe reads, as it was when recorded. What can happen to it with no op
 // the engine sees: a write (another thread: its version moves), `p.data = new` or
 // Module.half() (its storage is swapped), FSDP2's reshard (its storage resized to 0).
-// The storage is held, as the default engine holds a constant's.
+// The storage is held, as the subclass engine holds a constant's.
 struct PlainRead {
   at::Tensor t;
   uint32_t version;
@@ -210,13 +214,26 @@ struct PlainRead {
       : t(x), version(x._version()), storage(x.has_storage() ? x.storage() : c10::Storage()) {}
 };
 
+// A plain sparse tensor a recipe reads that it takes again from the tensor it was made
+// from when it replays, rather than hold (dtr/recipe.py's Rebuilt, dtr/fresh.py):
+// autograd's adj.t() per backward product of torch.sparse.mm, which for a COO adj copies
+// its indices and values. Made below autograd at each replay and dropped after it, so it
+// is never counted.
+struct Rebuilt {
+  size_t arg;                     // where it sits in the recipe's arguments
+  int64_t item;                   // index in a list argument, or -1
+  c10::OperatorHandle op;         // t or transpose.int
+  std::vector<c10::IValue> args;  // its arguments, the source first (held while it may replay)
+};
+
 struct Recipe {
   std::optional<c10::OperatorHandle> op;
   std::vector<c10::IValue> args;  // the call's arguments, managed tensors as None
   std::vector<Slot> slots;
   std::vector<Out> outs;  // per core output
   std::vector<int64_t> out_tids;
-  std::vector<PlainRead> plain;
+  std::vector<PlainRead> plain;  // a Rebuilt's source stands for it here
+  std::vector<Rebuilt> rebuilt;
   // a random op: its generator and that generator's state before the op first ran
   std::optional<at::Generator> gen;
   at::Tensor rng_state;
@@ -272,6 +289,104 @@ c10::Storage empty_storage(size_t nbytes, c10::Device device) {
   return s;
 }
 
+// dtr/fresh.py: plain tensors made in the block that a recipe can make again rather than
+// hold. Entries are keyed by the tensor's TensorImpl and lead with a weak reference to
+// it: that keeps the address from being reused by another tensor while the entry lives
+// (so an entry found by a live tensor's address is that tensor's), never the tensor's
+// memory. Entries whose tensor died are dropped once the table has doubled since the
+// last pruning (fresh.py's _Made).
+//
+// A new entry's versions are settled when the next op comes to the engine: the op that
+// made the tensor is not done when the engine returns it, since the kernel above it
+// (ADInplaceOrView) then bumps a fill's version and gives a view its base's version
+// counter (a COO adj.t() is a copy that autograd treats as a view). Each entry's
+// settle() reads them then, or returns false if they moved in any other way.
+template <typename Entry>
+struct Made {
+  static constexpr size_t kPruneAt = 4096;
+  std::unordered_map<const c10::TensorImpl*, Entry> entries;
+  std::vector<const c10::TensorImpl*> unsettled;
+  size_t prune_at = kPruneAt;
+
+  void add(const at::Tensor& t, Entry entry) {
+    if (entries.size() >= prune_at) {
+      for (auto it = entries.begin(); it != entries.end();)
+        it = it->second.ref.expired() ? entries.erase(it) : std::next(it);
+      prune_at = std::max(kPruneAt, 2 * entries.size());
+    }
+    entries.insert_or_assign(t.unsafeGetTensorImpl(), std::move(entry));
+    unsettled.push_back(t.unsafeGetTensorImpl());
+  }
+  void settle() {
+    for (const c10::TensorImpl* key : unsettled) {
+      auto it = entries.find(key);
+      if (it != entries.end() && !it->second.settle()) entries.erase(it);
+    }
+    unsettled.clear();
+  }
+  const Entry* find(const at::Tensor& t) const {
+    auto it = entries.find(t.unsafeGetTensorImpl());
+    return it == entries.end() || !it->second.settled ? nullptr : &it->second;
+  }
+  void clear() {
+    entries.clear();
+    unsettled.clear();
+    prune_at = kPruneAt;
+  }
+};
+
+c10::weak_intrusive_ptr<c10::TensorImpl> weak(const at::Tensor& t) {
+  return c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
+}
+
+// A plain tensor filled whole with one value and untouched since (FreshFactories): the
+// factory call that makes that value again.
+struct MadeByFill {
+  c10::weak_intrusive_ptr<c10::TensorImpl> ref;
+  c10::OperatorHandle op;         // zeros or full
+  std::vector<c10::IValue> args;  // no tensors
+  int64_t version;                // before the fill's own bump, until settled
+  bool settled = false;
+
+  bool settle() {
+    c10::intrusive_ptr<c10::TensorImpl> t = ref.lock();
+    if (!t) return false;
+    const int64_t now = t->version_counter().current_version();
+    if (now != version && now != version + 1) return false;
+    version = now;
+    settled = true;
+    return true;
+  }
+};
+
+// A transpose of a plain COO tensor (FreshTransposes): its source, by weak reference too
+// (the registry must not keep a program's sparse tensors alive), and both versions.
+// Compressed layouts (CSR, CSC, ...) are left out: their transpose shares every part with
+// its source, so holding it costs nothing, and their TensorImpl keeps its parts until the
+// last weak reference to it is gone (a COO one releases them with the last strong one).
+struct MadeByTranspose {
+  c10::weak_intrusive_ptr<c10::TensorImpl> ref;
+  c10::weak_intrusive_ptr<c10::TensorImpl> source;
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> args;  // the call's arguments, the source's as None
+  int64_t version;                // its own counter's, until settled
+  int64_t source_version;
+  bool settled = false;
+
+  bool settle() {
+    c10::intrusive_ptr<c10::TensorImpl> t = ref.lock();
+    c10::intrusive_ptr<c10::TensorImpl> s = source.lock();
+    if (!t || !s) return false;
+    const int64_t now = t->version_counter().current_version();
+    const int64_t source_now = s->version_counter().current_version();
+    // its own counter, or its source's (autograd's view), and the source unwritten
+    if ((now != version && now != source_now) || source_now != source_version) return false;
+    version = now;
+    settled = true;
+    return true;
+  }
+};
+
 }  // namespace
 
 struct Engine : std::enable_shared_from_this<Engine> {
@@ -307,6 +422,10 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // evicted for the other members' sake; the memory is the program's from then on.
   std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> handed_out;
   size_t prune_handed_out_at = 64;
+  // Plain tensors made in the block that a recipe makes again rather than hold
+  // (dtr/fresh.py): torch.sparse.mm's zeros, autograd's transposed copy of a COO adj.
+  Made<MadeByFill> made_by_fill;
+  Made<MadeByTranspose> made_by_transpose;
   std::unordered_map<std::vector<int64_t>, int64_t, SizeKeyHash> out_sizes;  // reserve
   // An op's cost: its measured wall time, or the roofline estimate (csrc/roofline.h),
   // with which the same program under the same budget evicts the same tensors each run.
@@ -352,6 +471,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
     pending.push_back(std::move(cell));
   }
   void flush() {
+    settle_made();
     while (true) {
       std::vector<std::shared_ptr<Cell>> now;
       {
@@ -434,6 +554,74 @@ struct Engine : std::enable_shared_from_this<Engine> {
     const_storage[tid] = t.storage();
     fresh.push_back(tid);
     return tid;
+  }
+
+  // ---- plain tensors a recipe can make again (dtr/fresh.py)
+  void settle_made() {
+    if (!made_by_fill.unsettled.empty()) made_by_fill.settle();
+    if (!made_by_transpose.unsettled.empty()) made_by_transpose.settle();
+  }
+  // A plain tensor just filled by zero_() or fill_(value) (`args`) in the block. The
+  // subclass engine remembers the outputs of zeros/ones/full; here those ops never reach
+  // the engine (their BackendSelect kernel sends them to the CPU's), only the fill of the
+  // empty tensor they make does. A tensor that such a fill covers whole (contiguous, its
+  // storage's only bytes) holds what zeros/full would make: that call is remembered.
+  void remember_fill(const std::vector<c10::IValue>& args) {
+    static const c10::OperatorHandle zeros =
+        c10::Dispatcher::singleton().findSchemaOrThrow("aten::zeros", "");
+    static const c10::OperatorHandle full =
+        c10::Dispatcher::singleton().findSchemaOrThrow("aten::full", "");
+    if (args.empty() || !args[0].isTensor()) return;
+    const at::Tensor& t = args[0].toTensor();
+    // (one that requires grad is a leaf whose gradient is handed out plain only if a recipe
+    // reads the leaf itself: hook_leaf)
+    if (!t.defined() || t.layout() != c10::kStrided || !t.is_cpu() || t.is_inference() ||
+        t.requires_grad() || t.is_conj() || t.is_neg() || !t.is_contiguous() || !t.has_storage() ||
+        t.storage_offset() != 0 || t.storage().nbytes() != t.nbytes())
+      return;
+    std::vector<c10::IValue> call{c10::IValue(t.sizes().vec())};
+    if (args.size() > 1) call.push_back(args[1]);  // fill_'s value (full's fill_value)
+    call.emplace_back(t.scalar_type());
+    call.emplace_back(c10::kStrided);
+    call.emplace_back(t.device());
+    call.emplace_back();  // pin_memory
+    made_by_fill.add(t, {weak(t), args.size() > 1 ? full : zeros, std::move(call), t._version()});
+  }
+  // The factory call that makes t's value again, if t was filled whole and nothing has
+  // written it since; else null.
+  const MadeByFill* fill_call_for(const at::Tensor& t) const {
+    if (t.layout() != c10::kStrided || t.is_inference()) return nullptr;
+    const MadeByFill* made = made_by_fill.find(t);
+    return made != nullptr && t._version() == made->version ? made : nullptr;
+  }
+  // The output `out` of t/transpose.int, called with `args` on plain tensors in the block.
+  void remember_transpose(const c10::OperatorHandle& op, std::vector<c10::IValue> args,
+                          const c10::IValue& out) {
+    if (!out.isTensor() || args.empty() || !args[0].isTensor()) return;
+    const at::Tensor& t = out.toTensor();
+    const at::Tensor source = args[0].toTensor();
+    auto coo = [](const at::Tensor& x) {
+      return x.defined() && x.layout() == c10::kSparse && !x.is_inference();
+    };
+    if (!coo(t) || !coo(source)) return;
+    args[0] = c10::IValue();
+    made_by_transpose.add(
+        t, {weak(t), weak(source), op, std::move(args), t._version(), source._version()});
+  }
+  // How a recipe reads t: taken again from its source when it replays, if t is a
+  // remembered transpose that still matches its source (neither written since); else
+  // nullopt (the recipe holds t). arg and item are the caller's to set.
+  std::optional<Rebuilt> rebuilt_for(const at::Tensor& t) const {
+    if (t.layout() != c10::kSparse || t.is_inference()) return std::nullopt;
+    const MadeByTranspose* made = made_by_transpose.find(t);
+    if (made == nullptr) return std::nullopt;
+    c10::intrusive_ptr<c10::TensorImpl> source = made->source.lock();
+    if (!source) return std::nullopt;
+    at::Tensor s(std::move(source));
+    if (t._version() != made->version || s._version() != made->source_version) return std::nullopt;
+    Rebuilt r{0, -1, made->op, made->args};
+    r.args[0] = s;
+    return r;
   }
 
   // ---- Driver.invalidate (csrc/protocol.h): what reads `seeds` is materialized and pinned
@@ -540,7 +728,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
     }
   }
 
-  // The default engine's checks and messages (dtr/recipe.py: freed_error, replaced_error,
+  // The subclass engine's checks and messages (dtr/recipe.py: freed_error, replaced_error,
   // written_error): a replay must not read what the program no longer holds.
   static void check_plain_read(const Recipe& rec, const PlainRead& p) {
     const char* what = nullptr;
@@ -588,6 +776,11 @@ struct Engine : std::enable_shared_from_this<Engine> {
     torch::jit::Stack stack(rec.args.begin(), rec.args.end());
     for (size_t q = 0; q < rec.slots.size(); ++q)
       set_item(stack[rec.slots[q].arg], rec.slots[q].item, filled[q]);
+    for (const Rebuilt& r : rec.rebuilt) {  // its source was checked with rec.plain above
+      torch::jit::Stack made(r.args.begin(), r.args.end());
+      call_below(r.op, &made, false);
+      set_item(stack[r.arg], r.item, made.back().toTensor());
+    }
     for (auto [arg, item] : rec.scratch)
       set_item(stack[arg], item, copy_storage(get_item(stack[arg], item)));
     auto start = std::chrono::steady_clock::now();
@@ -685,6 +878,8 @@ struct Engine : std::enable_shared_from_this<Engine> {
     escaped.clear();
     escaped_storage.clear();
     handed_out.clear();
+    made_by_fill.clear();
+    made_by_transpose.clear();
     hooked.clear();
     {
       std::lock_guard<std::mutex> p(pending_mu);
@@ -853,7 +1048,7 @@ at::Generator generator_of(const c10::FunctionSchema& schema, const torch::jit::
 
 [[noreturn]] void refuse(const c10::OperatorHandle& op, const std::string& why) {
   throw Unsupported("dtr: the native engine does not serve " + py_name(op.schema()) + " yet (" +
-                    why + "); use dtr.enable() (the default engine) for this program");
+                    why + "); use dtr.enable(engine=\"subclass\") for this program");
 }
 
 // In-place view ops (x.squeeze_(), x.t_(), ...; dtr/schema.py's _VIEW_INPLACE) and the view
@@ -871,6 +1066,8 @@ struct OpFacts {
   bool reshapes = false;        // changes its argument's shape or storage in place
   bool meta_only = false;       // reads only its tensors' metadata (empty_like, ...)
   bool bn_hidden_writes = false;
+  bool fill = false;       // zero_, fill_.Scalar: how zeros/ones/full fill what they make
+  bool transpose = false;  // t, transpose.int (TRANSPOSES)
   std::optional<c10::OperatorHandle> view_form;  // an in-place view op's out-of-place form
   std::vector<size_t> plain_returns;             // returns left plain (dtr/schema.py)
 };
@@ -900,6 +1097,11 @@ OpFacts make_facts(const c10::OperatorHandle& op) {
                name == "aten::resize_as_" || name == "aten::set_";
   f.meta_only = kMetaOnly.count(name) > 0;
   f.bn_hidden_writes = kBatchNorm.count(name) > 0;
+  const std::string& overload = schema.overload_name();
+  f.fill = (name == "aten::zero_" && overload.empty()) ||
+           (name == "aten::fill_" && overload == "Scalar");
+  f.transpose =
+      (name == "aten::t" && overload.empty()) || (name == "aten::transpose" && overload == "int");
   // A packed sequence's batch_sizes stays plain: lstm.data and kin read it through
   // data_ptr() in C++ before any dispatch, where an evicted value cannot be rebuilt
   // (dtr/schema.py's _PLAIN_RETURNS; it depends only on the plain lengths)
@@ -947,7 +1149,55 @@ at::Tensor replace_with_plain(torch::jit::Stack* stack, size_t pos, int64_t item
   return plain;
 }
 
-void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+// Serves one op call. With record_plain, the call is recorded even though it reads no
+// managed value (a factory's managed copy, adopt_filled).
+void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_plain = false);
+
+// A plain op in the block whose result a recipe may make again rather than hold
+// (dtr/fresh.py): the call is run, and what it made remembered.
+void run_and_remember(Engine& e, const c10::OperatorHandle& op, const OpFacts& facts,
+                      torch::jit::Stack* stack, size_t begin) {
+  std::vector<c10::IValue> args(stack->begin() + begin, stack->end());
+  Engine::call_below(op, stack, at::GradMode::is_enabled());
+  std::lock_guard<std::recursive_mutex> g(e.mu);
+  if (!e.open) return;
+  e.settle_made();  // an earlier one's, its op done
+  if (facts.fill)
+    e.remember_fill(args);
+  else
+    e.remember_transpose(op, std::move(args), stack->back());
+}
+
+// torch.sparse.mm(adj, h) is _sparse_addmm(torch.zeros(...), adj, h): the zeros tensor
+// reads nothing managed and is plain, and held as a constant it was one product-sized
+// tensor per layer kept from forward to backward. An op with a sparse operand that only
+// reads a tensor filled whole and untouched since reads instead a managed copy made by
+// the factory call that makes that value, recorded with no inputs, evicted and rebuilt
+// (for nothing) like any other value (Runtime._fresh_stand_in). Made before any constant
+// of the op is registered, as the subclass engine does; the leaf holds it until the op
+// ends.
+void adopt_filled(Engine& e, std::vector<Leaf>& leaves, torch::jit::Stack* stack, size_t begin,
+                  const std::function<bool(size_t)>& is_written) {
+  bool sparse = false;
+  for (const Leaf& l : leaves)
+    sparse = sparse || (l.tensor.defined() && is_sparse_layout(l.tensor));
+  if (!sparse) return;
+  for (Leaf& l : leaves) {
+    if (l.native || !l.tensor.defined() || is_written(l.arg)) continue;
+    const MadeByFill* made = e.fill_call_for(l.tensor);
+    if (made == nullptr) continue;
+    const c10::OperatorHandle op = made->op;  // (serving it may change the table)
+    torch::jit::Stack call(made->args.begin(), made->args.end());
+    serve(op, &call, true);
+    l.tensor = call.back().toTensor();
+    l.native = as_native(l.tensor);
+    if (l.native == nullptr)
+      throw std::logic_error("dtr: internal error: a factory's managed copy is not managed");
+    set_item((*stack)[begin + l.arg], l.item, l.tensor);
+  }
+}
+
+void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_plain) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   const size_t begin = stack->size() - n;
@@ -984,14 +1234,20 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     return false;
   };
   // A view of plain tensors stays plain (a parameter's t() in a linear layer).
-  if (!eng || !eng->open || (!managed && (!wants || facts.view))) {
+  if (!eng || !eng->open || (!managed && !record_plain && (!wants || facts.view))) {
     if (eng && eng->open && !written.empty()) {
       std::lock_guard<std::recursive_mutex> g(eng->mu);
       eng->flush();
       for (const Leaf& l : leaves)
         if (is_written(l.arg)) eng->writes_to_plain(l.tensor);
     }
-    Engine::call_below(op, stack, at::GradMode::is_enabled());
+    const bool remembers =
+        facts.fill || (facts.transpose && !leaves.empty() && leaves[0].tensor.defined() &&
+                       leaves[0].tensor.layout() == c10::kSparse);  // not a weight's t()
+    if (eng && eng->open && remembers)
+      run_and_remember(*eng, op, facts, stack, begin);
+    else
+      Engine::call_below(op, stack, at::GradMode::is_enabled());
     return;
   }
   Engine& e = *eng;
@@ -1022,6 +1278,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     throw Unsupported("dtr: " + py_name(schema) +
                       " replaces the storage of a managed tensor in place, which dtr does not "
                       "support; use the out-of-place op, or dtr.materialize() the tensor first");
+  if (!facts.meta_only) adopt_filled(e, leaves, stack, begin, is_written);
   Core& core = e.core;
   std::vector<int64_t> fresh, locked, held;
   auto finish = [&] {
@@ -1035,8 +1292,9 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   try {
     // inputs: managed ones locked and rebuilt if evicted; plain ones registered as constants
     std::vector<int64_t> tids(leaves.size(), -1);
-    std::vector<int64_t> part_tids;                 // a sparse input's parts after its first
-    std::vector<at::Tensor> passed(leaves.size());  // what the kernel gets
+    std::vector<int64_t> part_tids;                   // a sparse input's parts after its first
+    std::vector<std::pair<size_t, Rebuilt>> rebuilt;  // per leaf taken again at replay
+    std::vector<at::Tensor> passed(leaves.size());    // what the kernel gets
     if (facts.meta_only) {
       // empty_like(x) and kin (Runtime._run_meta_only): x's value is neither read nor kept,
       // by this call or its recomputation, so they get a stand-in with x's metadata and
@@ -1057,10 +1315,17 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         if (l.tensor.layout() == c10::kStrided) {
           tids[k] = e.constant(l.tensor, fresh);
         } else {  // a sparse tensor: each part's storage is a constant
-          const std::vector<at::Tensor> parts = sparse_parts(l.tensor);
+          // (or its source's, for a transpose the recipe takes again: dtr/fresh.py)
+          std::optional<Rebuilt> r = e.rebuilt_for(l.tensor);
+          const std::vector<at::Tensor> parts = sparse_parts(r ? r->args[0].toTensor() : l.tensor);
           tids[k] = e.constant(parts[0], fresh);
           for (size_t q = 1; q < parts.size(); ++q)
             part_tids.push_back(e.constant(parts[q], fresh));
+          if (r) {
+            r->arg = l.arg;
+            r->item = l.item;
+            rebuilt.emplace_back(k, std::move(*r));
+          }
         }
       }
       passed[k] = l.tensor;
@@ -1078,14 +1343,14 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       Leaf& l = leaves[k];
       if (facts.meta_only || !l.native) continue;
       // the core's view, not the storage's: a view whose base was rebuilt shares its
-      // memory but is rebuilt through its own recipe, as the default engine and a replay do
+      // memory but is rebuilt through its own recipe, as the subclass engine and a replay do
       if (!core.is_materialized(tids[k])) e.rematerialize(tids[k]);
       passed[k] = e.values[tids[k]];
       set_item((*stack)[begin + l.arg], l.item, passed[k]);
     }
     // Room for the outputs before they exist, as much as the last such call made (Runtime
     // ._run); if it cannot be made, the boundary after the op reports the budget. Ops that
-    // read no managed value (meta-only ones) reserve nothing, as in the default engine. A
+    // read no managed value (meta-only ones) reserve nothing, as in the subclass engine. A
     // trace records the guess with no budget too, for replays under one.
     std::vector<int64_t> size_key;
     int64_t reserve = 0;
@@ -1181,7 +1446,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
           facts.plain_returns.end())
         continue;
       auto take = [&](int64_t j, const at::Tensor& t) {
-        // sparse, quantized and nested results stay plain, as the default engine leaves
+        // sparse, quantized and nested results stay plain, as the subclass engine leaves
         // them (a NativeImpl has the PrivateUse1 keys only: a quantized value would read
         // as its integers)
         if (!t.defined() || t.layout() != c10::kStrided || t.is_quantized() || t.is_nested())
@@ -1259,7 +1524,15 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
           rec.slots.push_back({leaves[k].arg, leaves[k].item, tids[k]});
         } else if (tids[k] >= 0) {
           inputs.push_back(tids[k]);
-          rec.plain.emplace_back(leaves[k].tensor);
+          auto r = std::find_if(rebuilt.begin(), rebuilt.end(),
+                                [&](const auto& x) { return x.first == k; });
+          if (r == rebuilt.end()) {
+            rec.plain.emplace_back(leaves[k].tensor);
+          } else {  // the recipe holds its source instead, checked as a plain read
+            rec.plain.emplace_back(r->second.args[0].toTensor());
+            set_item(args[leaves[k].arg], leaves[k].item, at::Tensor());
+            rec.rebuilt.push_back(std::move(r->second));
+          }
         }
       }
       inputs.insert(inputs.end(), part_tids.begin(), part_tids.end());
@@ -1368,7 +1641,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
 }
 
 // Ops on sparse, sparse CSR, quantized or nested tensors reach these keys while the
-// session's key is included. dtr manages no such tensor's parts, as in the default engine:
+// session's key is included. dtr manages no such tensor's parts, as in the subclass engine:
 // an op that only reads plain sparse tensors (a graph's adjacency in torch.sparse.mm) is
 // served like any other, the sparse ones constants of its recipe (dtr/storage_keys.py);
 // a sparse result stays plain, and a managed value it is built on (the values of an
@@ -1500,7 +1773,7 @@ void read_values_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
 // c10d registers kernels of its own at PrivateUse1, which look for a process-group backend
 // of that device type, so with the session's key included every collective, on plain
 // tensors too, failed ("No backend type associated with device type privateuseone"). No
-// rank can rerun a collective alone, so none is recorded: as in the default engine
+// rank can rerun a collective alone, so none is recorded: as in the subclass engine
 // (Runtime._run_collective), managed arguments are handed to it as exported values
 // (resident and pinned from then on; the program's tensors read what it writes), what
 // reads a written tensor is invalidated first (c10d's in-place collectives declare no

@@ -1,6 +1,6 @@
 // The native engine's operator trace: the lines dtr/trace.py's TraceWriter writes for the
-// default engine (the format is described there), for the same core calls, so that
-// dtr.sim replays a native run as it replays a default one. Tensors are named by a
+// subclass engine (the format is described there), for the same core calls, so that
+// dtr.sim replays a native run as it replays a subclass one. Tensors are named by a
 // serial number given when the core first names them (core ids are reused).
 #pragma once
 

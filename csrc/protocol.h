@@ -1,7 +1,7 @@
 // The driver protocol in C++ (dtr/protocol.py, Driver.rematerialize and Driver.invalidate):
 // the core calls a driver makes to rebuild a tensor and to cut what reads a tensor about
 // to be written, in the order the Python twin makes them (the core's choices depend on
-// that order). Used by the simulator's replay loop (replay.cpp), the default engine's
+// that order). Used by the simulator's replay loop (replay.cpp), the subclass engine's
 // fast path (fastpath_remat.cpp) and the native engine (native.cpp).
 #pragma once
 

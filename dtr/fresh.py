@@ -15,6 +15,9 @@ recipe held as a constant for as long as it might replay (through the rest of th
 backward pass), so no budget below the unbudgeted peak could be met. The runtime
 remembers each sparse transpose of a plain sparse tensor, and a recipe that reads one
 reads its source instead, taking the transpose again when it replays (`Rebuilt`).
+
+The native engine's twin is in csrc/native.cpp (`Made`), where the factories are seen as
+the fills of what they made (dtr/NOTES.md, "COO graph networks on the native engine").
 """
 
 from __future__ import annotations
@@ -108,8 +111,12 @@ class FreshTransposes(_Made):
             return None
         ref, func, source_ref, rest, kwargs, version, source_version = entry
         source = source_ref()
-        if ref() is not t or source is None:
+        if ref() is not t or source is None or source._version != source_version:
             return None
-        if t._version != version or source._version != source_version:
+        # Autograd makes a COO transpose (a copy) a view of its source once the op has
+        # returned (after remember() read its own counter): from then on the two share the
+        # source's counter, which the check above covers, so t's own reading no longer
+        # applies (it is the source's, nonzero for a graph written before the block).
+        if t._base is not source and t._version != version:
             return None
         return Rebuilt(func, (source, *rest), kwargs, reader)

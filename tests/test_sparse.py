@@ -12,6 +12,7 @@ and SparseAdam's sparse update to a parameter was a write dtr did not see.
 from __future__ import annotations
 
 import csv
+import threading
 
 import pytest
 import torch
@@ -94,33 +95,37 @@ def _embedding_bag_of_words():
 
 
 # each program, and the fraction of its unbudgeted peak it is run at. The COO network
-# trains under a budget on the default engine, which takes autograd's adj.t() again from
-# adj rather than hold a copy per backward product (dtr/fresh.py); the native engine
-# holds those copies and torch.sparse.mm's zeros, plain tensors its recipes read as
-# constants (pinned), so every fraction of its peak down to 0.9 is infeasible there and
-# stress mode checks it. README, Limits.
+# trains under a budget on both engines, which take autograd's adj.t() again from adj
+# rather than hold a copy per backward product, and read a managed zeros in
+# torch.sparse.mm rather than hold the plain one (dtr/fresh.py); holding those (plain
+# tensors the recipes read as constants, pinned), every fraction of its peak down to 0.9
+# was infeasible.
 PROGRAMS = {
     "gcn_coo": (lambda: _gcn(torch.sparse_coo), 0.7),
     "gcn_csr": (lambda: _gcn(torch.sparse_csr), 0.7),
     "embedding_sparse_grad": (_embedding_bag_of_words, 0.8),
 }
-NATIVE_WITHOUT_BUDGET = {"gcn_coo"}
 SETUPS = ["subclass", "subclass-python-core", "native"]
 RUNS = [
     (name, mode, setup)
     for name in sorted(PROGRAMS)
     for mode in ("stress", "budget")
     for setup in SETUPS
-    if mode == "stress" or not (setup == "native" and name in NATIVE_WITHOUT_BUDGET)
 ]
 
 
-@pytest.mark.parametrize("name,mode,setup", RUNS)
-def test_programs_with_sparse_tensors_match_eager(name, mode, setup, monkeypatch):
+def _engine(setup: str, monkeypatch) -> str:
+    """dtr.enable()'s engine for a setup of SETUPS, with that setup's core selected."""
     engine = setup.split("-")[0]
     if engine == "native":
         pytest.importorskip("dtr._C", reason="the native engine is C++")
     monkeypatch.setenv("DTR_FORCE_PYTHON", "1" if setup.endswith("python-core") else "0")
+    return engine
+
+
+@pytest.mark.parametrize("name,mode,setup", RUNS)
+def test_programs_with_sparse_tensors_match_eager(name, mode, setup, monkeypatch):
+    engine = _engine(setup, monkeypatch)
     make, ratio = PROGRAMS[name]
     program = make()
     want = program()
@@ -225,18 +230,19 @@ def test_the_gcn_benchmark_runs_and_reports_what_it_measured(tmp_path):
     assert int(csr_budget["evictions"]) > 0
 
 
-def test_torch_sparse_mm_holds_no_zeros_tensor_per_product(core):
+@pytest.mark.parametrize("setup", SETUPS)
+def test_torch_sparse_mm_holds_no_zeros_tensor_per_product(setup, monkeypatch):
     # torch.sparse.mm(adj, h) is _sparse_addmm(torch.zeros(...), adj, h): the recipe of
     # each product reads a zeros tensor of its size. Held as a constant, that was one
     # product-sized tensor per layer from forward to backward (1.76x eager's memory for
-    # bench/sparse_gcn.py's COO network with no budget); the default engine now reads a
-    # managed zeros instead (dtr/fresh.py), rebuilt at no cost. (The native engine still
-    # holds it: README, Limits.)
+    # bench/sparse_gcn.py's COO network with no budget); both engines now read a managed
+    # zeros instead (dtr/fresh.py), rebuilt at no cost.
+    engine = _engine(setup, monkeypatch)
     adj = _adjacency(400, torch.sparse_coo)
     torch.manual_seed(0)
     layers = [nn.Linear(32, 32) for _ in range(6)]
     x = torch.randn(400, 32)
-    with dtr.enable() as session:
+    with dtr.enable(engine=engine) as session:
         h = x
         for layer in layers:
             h = torch.tanh(torch.sparse.mm(adj, layer(h)))
@@ -247,19 +253,20 @@ def test_torch_sparse_mm_holds_no_zeros_tensor_per_product(core):
     assert held == params + graph + x.untyped_storage().nbytes()
 
 
-def test_coo_backward_holds_no_transpose_per_product(core):
+@pytest.mark.parametrize("setup", SETUPS)
+def test_coo_backward_holds_no_transpose_per_product(setup, monkeypatch):
     # torch.sparse.mm's backward is mm(adj.t(), grad), and a COO adj.t() copies adj's
     # indices and values. Each product's recipe held its copy as a constant for the rest
     # of backward (here 5 copies by the first layer's gradient: 1.07 MB against 0.24 MB,
     # and no budget below the peak could be met); it now takes adj.t() again from adj
-    # when it replays (dtr/fresh.py), so backward holds what forward held. (The native
-    # engine still holds them: README, Limits.)
+    # when it replays (dtr/fresh.py), so backward holds what forward held.
+    engine = _engine(setup, monkeypatch)
     adj = _adjacency(400, torch.sparse_coo)
     torch.manual_seed(0)
     layers = [nn.Linear(32, 32) for _ in range(6)]
     x = torch.randn(400, 32)
     seen = []
-    with dtr.enable() as session:
+    with dtr.enable(engine=engine) as session:
         h = x
         for k, layer in enumerate(layers):
             h = torch.tanh(torch.sparse.mm(adj, layer(h)))
@@ -273,18 +280,46 @@ def test_coo_backward_holds_no_transpose_per_product(core):
     assert seen == [forward]
 
 
+@pytest.mark.parametrize("setup", SETUPS)
+def test_a_transpose_of_a_graph_written_before_is_taken_again(setup, monkeypatch):
+    # adj.t() is a copy that autograd treats as a view: it takes adj's version counter
+    # after the op, so a version read as the op returns (0, its own) is not the one a
+    # later read sees (adj's, 1 here). The native engine reads it when the next op comes;
+    # the subclass engine accepts the source's counter once the copy is its view (it
+    # held one transpose per backward product here until the ninth session).
+    engine = _engine(setup, monkeypatch)
+    adj = _adjacency(400, torch.sparse_coo)
+    adj.mul_(2)
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 32) for _ in range(3)]
+    seen = []
+    with dtr.enable(engine=engine) as session:
+        h = torch.randn(400, 32)
+        for k, layer in enumerate(layers):
+            h = torch.tanh(torch.sparse.mm(adj, layer(h)))
+            if k == 0:
+                h.register_hook(lambda g: seen.append(session.stats().constant_bytes))
+        forward = session.stats().constant_bytes
+        h.sum().backward()
+    assert seen == [forward]
+
+
 def _transposed_product(adj, x):
     # a recipe that reads adj.t(), a sparse transpose dtr takes again from adj
     return torch.sparse.mm(adj.t(), x * 2).detach()
 
 
-def test_a_transpose_taken_again_sees_its_source_as_it_was(core):
+@pytest.mark.parametrize("setup", SETUPS)
+def test_a_transpose_taken_again_sees_its_source_as_it_was(setup, monkeypatch):
     # adj is scaled in place after the product that read adj.t() (a write dtr sees):
-    # the product, evicted at once in stress mode, must keep the value it had.
+    # the product, evicted at once in stress mode, must keep the value it had. (A COO
+    # adj.t() copies adj's parts but shares its version counter, as a view: a recipe
+    # holding the copy took the write for one behind dtr's back and could not replay.)
+    engine = _engine(setup, monkeypatch)
     adj = _adjacency(50, torch.sparse_coo)
     x = torch.randn(50, 8, requires_grad=True)
     want = _transposed_product(adj, x)
-    with dtr.enable(stress=True) as session:
+    with dtr.enable(engine=engine, stress=True) as session:
         h = _transposed_product(adj, x)
         adj.mul_(3)
         got = dtr.materialize(h + 0)
@@ -292,15 +327,71 @@ def test_a_transpose_taken_again_sees_its_source_as_it_was(core):
     assert torch.equal(got, want)
 
 
-def test_a_transpose_whose_source_was_written_unseen_is_a_clear_error(core):
-    # A write dtr cannot see (dispatch bypassed, as another thread's would be): the
-    # product cannot be rebuilt from adj any more, and says so rather than use the new
-    # values.
+@pytest.mark.parametrize("setup", SETUPS)
+def test_a_transpose_whose_source_was_written_unseen_is_a_clear_error(setup, monkeypatch):
+    # A write dtr cannot see (another thread's: a session serves the thread that opened
+    # it): the product cannot be rebuilt from adj any more, and says so rather than use
+    # the new values.
+    engine = _engine(setup, monkeypatch)
     adj = _adjacency(50, torch.sparse_coo)
     x = torch.randn(50, 8, requires_grad=True)
     with pytest.raises(dtr.UnsupportedError, match="written in place where dtr could not"):
-        with dtr.enable(stress=True):
+        with dtr.enable(engine=engine, stress=True):
             h = _transposed_product(adj, x)
-            with torch._C._DisableTorchDispatch():
-                adj.mul_(3)
+            writer = threading.Thread(target=adj.mul_, args=(3,))
+            writer.start()
+            writer.join()
             dtr.materialize(h + 0)
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_what_a_recipe_makes_again_is_held_by_nothing(setup, monkeypatch):
+    # A sparse transpose a recipe takes again from its source, and a zeros tensor a
+    # recipe reads as a managed copy: dtr remembers them weakly and no recipe holds
+    # them, so their memory goes when the program drops them (the use count of a storage
+    # whose last holder is `storage` itself is 1).
+    engine = _engine(setup, monkeypatch)
+    adj = _adjacency(50, torch.sparse_coo)
+    x = torch.randn(50, 8, requires_grad=True)
+    with dtr.enable(engine=engine):
+        y = x * 2  # managed
+        with torch.no_grad():  # (autograd would save what the products read)
+            transposed = adj.t()
+            zeros = torch.zeros(50, 8)
+            products = [
+                torch.sparse.mm(transposed, y),
+                torch.ops.aten._sparse_addmm(zeros, adj, y, beta=0, alpha=1),
+            ]
+        storages = [transposed._values().untyped_storage(), zeros.untyped_storage()]
+        del transposed, zeros
+        y + 0  # the next op
+        counts = [torch._C._storage_Use_Count(s._cdata) for s in storages]
+    assert len(products) == 2 and counts == [1, 1]
+
+
+def test_a_native_coo_run_and_its_trace_replayed_evict_alike(tmp_path):
+    # The native engine's trace of the COO network under a budget: the managed zeros
+    # (a CALL with no inputs) and the transposes' sources read as constants replay, on
+    # both of dtr.sim's cores, to the evictions of the live run (tests/test_native.py
+    # checks the same for the bench models).
+    pytest.importorskip("dtr._C", reason="the native engine is C++")
+    from dtr import native, sim
+
+    program = _gcn(torch.sparse_coo)
+    with native.enable(cost_model="roofline") as free:
+        program()
+    budget = int(free.stats().peak_resident_bytes * 0.7)
+    path = str(tmp_path / "gcn_coo.jsonl.gz")
+    with native.enable(budget=budget, cost_model="roofline", trace=path) as session:
+        session._engine.log_evictions(True)
+        program()
+        live_log = session._engine.eviction_log()
+    stats = session.stats()
+    assert stats.evictions == len(live_log) > 0
+    prog = sim.load(path)
+    for core in ("c++", "python"):
+        res = sim.simulate(
+            prog, dtr.DEFAULT_HEURISTIC, budget=budget, engine=core, log=True, thrash=0
+        )
+        assert res.status == "ok" and res.eviction_log == live_log
+        assert (res.evictions, res.remats) == (stats.evictions, stats.remats)
