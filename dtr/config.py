@@ -115,7 +115,7 @@ class DTRConfig:
                     f"dtr: trace {self.trace!r} (option trace or {ENV_TRACE}): folder "
                     f"{folder!r} does not exist; give a file path in an existing folder"
                 )
-        if self.engine not in ENGINES[1:]:
+        if self.engine not in _engines.RUNNABLE:
             raise ConfigError(
                 f"dtr: engine must be 'native' or 'subclass' here, got {self.engine!r} "
                 "(dtr.enable() resolves 'auto')"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 ENGINES = ("auto", "native", "subclass")
+RUNNABLE = ("native", "subclass")  # what "auto" resolves to
 # The subclass engine's name until the native engine became the default (2026-12).
 OLD_NAMES = {"default": "subclass"}
 
