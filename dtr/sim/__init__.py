@@ -10,6 +10,7 @@ Command line: ``python -m dtr.sim TRACE --heuristic dtr_eq --budget-ratio 0.4``.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -18,7 +19,7 @@ from .._pycore import DEFAULT_HEURISTIC, HEURISTICS, PyCore
 from ..errors import ConfigError
 from . import program
 from .driver import Result, replay
-from .parse import TraceError, load
+from .parse import INT64_MAX, UINT64_MAX, TraceError, integer_value, load
 
 __all__ = [
     "DEFAULT_HEURISTIC",
@@ -64,6 +65,33 @@ def _make_core(
     return core
 
 
+def check_ratio(ratio) -> float:
+    """A budget ratio: a finite number > 0 (ConfigError otherwise)."""
+    if not _is_number(ratio) or not (math.isfinite(ratio) and ratio > 0):
+        raise ConfigError(f"dtr: a budget ratio must be a finite number > 0, got {ratio!r}")
+    return ratio
+
+
+def check_thrash(thrash) -> float:
+    """The recomputation cap: a finite number >= 0, 0 for none (ConfigError otherwise)."""
+    if not _is_number(thrash) or not (math.isfinite(thrash) and thrash >= 0):
+        raise ConfigError(
+            f"dtr: thrash must be a finite number >= 0 (0: no cap), got {thrash!r}"
+        )
+    return thrash
+
+
+def check_int(name: str, value, low: int = 0, high: int = INT64_MAX) -> int:
+    """An integer option the cores take (ConfigError unless an int in [low, high])."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"dtr: {name} must be an int in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def peak(prog: program.Program, engine: str = "c++") -> int:
     """Peak resident bytes of an unconstrained replay (what budget ratios are relative to)."""
     if prog.peak_bytes is None:
@@ -98,20 +126,18 @@ def simulate(
     takes the trace's, or 0."""
     if heuristic is None:
         heuristic = recorded_heuristic(prog)
-    if sample is None:
-        sample = _recorded(prog, "SEARCH_SAMPLE")
-    if seed is None:
-        seed = _recorded(prog, "SEED")
-    if min_evict_bytes is None:
-        min_evict_bytes = _recorded(prog, "MIN_EVICT_BYTES")
+    sample = check_int("sample", _recorded(prog, "SEARCH_SAMPLE") if sample is None else sample)
+    seed = check_int("seed", _recorded(prog, "SEED") if seed is None else seed, high=UINT64_MAX)
+    min_evict_bytes = check_int(
+        "min_evict_bytes",
+        _recorded(prog, "MIN_EVICT_BYTES") if min_evict_bytes is None else min_evict_bytes,
+    )
+    check_thrash(thrash)
     if ratio is not None:
         if budget is not None:
             raise ConfigError("dtr: give a budget or a ratio, not both")
-        if not 0 < ratio:
-            raise ConfigError(f"dtr: budget ratio must be positive, got {ratio!r}")
-        budget = int(peak(prog, "python" if engine == "python" else "c++") * ratio)
-    if budget is None:
-        budget = -1
+        budget = _ratio_budget(prog, check_ratio(ratio), engine)
+    budget = check_int("budget", -1 if budget is None else budget, low=-1)
     core = _make_core(
         heuristic, budget, seed, "python" if engine == "python" else "c++", sample, min_evict_bytes
     )
@@ -127,6 +153,17 @@ def simulate(
     return replay(prog, core, stress, thrash, log)
 
 
+def _ratio_budget(prog: program.Program, ratio: float, engine: str) -> int:
+    top = peak(prog, "python" if engine == "python" else "c++")
+    budget = int(top * ratio)
+    if budget > INT64_MAX:
+        raise ConfigError(
+            f"dtr: budget ratio {ratio!r} x the peak ({top} bytes) is beyond {INT64_MAX} "
+            "bytes; give a smaller ratio"
+        )
+    return budget
+
+
 def recorded_heuristic(prog: program.Program) -> str:
     """The heuristic the live run that wrote prog evicted by (dtr.DEFAULT_HEURISTIC for
     the prototype's traces, which do not say)."""
@@ -136,9 +173,10 @@ def recorded_heuristic(prog: program.Program) -> str:
 def _recorded(prog: program.Program, name: str) -> int:
     """A setting the live run recorded in START (0 if the trace has none)."""
     raw = prog.meta.get(name, "0")
-    if not str(raw).isdigit():
+    value = integer_value(raw, 0, UINT64_MAX)
+    if value is None:
         raise TraceError(f"dtr: {prog.name}: {name} {raw!r} in START is not an int")
-    return int(raw)
+    return value
 
 
 def _cpp_replay(prog, core, stress, thrash, log) -> Result:

@@ -21,6 +21,10 @@ from . import (
     HEURISTICS,
     PROTOTYPE_DIR,
     SWEEP_RATIOS,
+    TraceError,
+    check_int,
+    check_ratio,
+    check_thrash,
     load,
     program,
     recorded_heuristic,
@@ -44,14 +48,43 @@ def find_trace(name: str, traces: str) -> str:
     )
 
 
-def _row(trace: str, heuristic: str, ratio, res) -> dict:
+def _row(trace: str, heuristic: str, ratio, res) -> str:
+    """The result as one line of JSON (strict: NaN and infinities are not JSON)."""
     out = {"trace": os.path.basename(trace), "heuristic": heuristic, "budget_ratio": ratio}
     out.update(res.as_dict())
-    return out
+    try:
+        return json.dumps(out, allow_nan=False)
+    except ValueError:
+        raise TraceError(
+            f"dtr: {trace}: the replay's compute overflows a float (the trace's costs are "
+            "too large)"
+        ) from None
+
+
+def _argument(check, convert):
+    """An argparse type= function: convert the text, then check the value; a value
+    either refuses is an argparse error (exit status 2) with check's message."""
+
+    def parse(text: str):
+        try:
+            return check(convert(text))
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        except DTRError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("dtr: ")) from None
+
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as dtr's other errors read: one line starting "dtr: "."""
+
+    def error(self, message: str):
+        self.exit(2, f"dtr: {message} (python -m dtr.sim --help for usage)\n")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dtr.sim", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="python -m dtr.sim", description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", help="trace file, or the start of a name in --traces")
     parser.add_argument("--traces", default=PROTOTYPE_DIR, help="folder of named traces")
     parser.add_argument(
@@ -63,7 +96,7 @@ def main(argv=None) -> int:
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--budget-ratio",
-        type=float,
+        type=_argument(check_ratio, float),
         default=None,
         help="fraction of the unconstrained replay's peak",
     )
@@ -80,14 +113,14 @@ def main(argv=None) -> int:
     parser.add_argument("--stress", action="store_true")
     parser.add_argument(
         "--thrash",
-        type=float,
+        type=_argument(check_thrash, float),
         default=2.0,
         help="stop when total compute exceeds this x the baseline (0: never)",
     )
     parser.add_argument("--engine", choices=["c++", "python", "python+c++core"], default="c++")
     parser.add_argument(
         "--sample",
-        type=int,
+        type=_argument(lambda n: check_int("--sample", n), int),
         default=None,
         help="victim search: best of N sampled candidates when more are evictable (0: exact; "
         "default: as the trace was recorded, exact for the prototype's traces)",
@@ -97,8 +130,6 @@ def main(argv=None) -> int:
         path = find_trace(args.trace, args.traces)
         mode = {"auto": None, "prototype": program.PROTOTYPE, "live": program.LIVE}[args.mode]
         prog = load(path, mode)
-        if args.sample is not None and args.sample < 0:
-            raise DTRError(f"dtr: --sample must be >= 0, got {args.sample}")
         common = dict(
             stress=args.stress, thrash=args.thrash, engine=args.engine, sample=args.sample
         )
@@ -106,7 +137,7 @@ def main(argv=None) -> int:
             for heuristic in HEURISTICS:
                 for ratio in SWEEP_RATIOS:
                     res = simulate(prog, heuristic, ratio=ratio, **common)
-                    print(json.dumps(_row(path, heuristic, ratio, res)), flush=True)
+                    print(_row(path, heuristic, ratio, res), flush=True)
             return 0
         heuristic = args.heuristic or recorded_heuristic(prog)
         if args.budget is not None:
@@ -116,9 +147,12 @@ def main(argv=None) -> int:
         else:
             ratio = 1.0 if args.budget_ratio is None else args.budget_ratio
             res = simulate(prog, heuristic, ratio=ratio, **common)
-        print(json.dumps(_row(path, heuristic, ratio, res)))
+        print(_row(path, heuristic, ratio, res))
         return 0
-    except DTRError as exc:
+    except TraceError as exc:  # the trace is bad
+        print(str(exc), file=sys.stderr)
+        return 1
+    except DTRError as exc:  # an argument is
         print(str(exc), file=sys.stderr)
         return 2
 
