@@ -90,6 +90,12 @@ TRACES = {
         f"MEMORY '{2**63}'",
         [],
     ),
+    "MEMORY 5000 digits": (
+        lines(START, *call("op", [], "a", memory="9" * 5000)),
+        3,
+        "MEMORY '999",
+        [],
+    ),
     "MEMORY negative": (lines(START, *call("op", [], "a", memory="-8")), 3, "MEMORY '-8'", []),
     "MEMORY a float": (lines(START, *call("op", [], "a", memory=8.5)), 3, "MEMORY 8.5", []),
     "constant MEMORY negative": (

@@ -11,6 +11,7 @@ Command line: ``python -m dtr.sim TRACE --heuristic dtr_eq --budget-ratio 0.4``.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import time
 
@@ -69,7 +70,7 @@ def check_ratio(ratio) -> float:
     """A budget ratio: a finite number > 0 (ConfigError otherwise)."""
     if not _is_number(ratio) or not (math.isfinite(ratio) and ratio > 0):
         raise ConfigError(f"dtr: a budget ratio must be a finite number > 0, got {ratio!r}")
-    return ratio
+    return float(ratio)
 
 
 def check_thrash(thrash) -> float:
@@ -78,18 +79,23 @@ def check_thrash(thrash) -> float:
         raise ConfigError(
             f"dtr: thrash must be a finite number >= 0 (0: no cap), got {thrash!r}"
         )
-    return thrash
+    return float(thrash)
 
 
 def check_int(name: str, value, low: int = 0, high: int = INT64_MAX) -> int:
-    """An integer option the cores take (ConfigError unless an int in [low, high])."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    """An integer option the cores take (ConfigError unless an int in [low, high]: the
+    C++ core's types)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or not low <= value <= high
+    ):
         raise ConfigError(f"dtr: {name} must be an int in [{low}, {high}], got {value!r}")
-    return value
+    return int(value)
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def peak(prog: program.Program, engine: str = "c++") -> int:
@@ -132,7 +138,7 @@ def simulate(
         "min_evict_bytes",
         _recorded(prog, "MIN_EVICT_BYTES") if min_evict_bytes is None else min_evict_bytes,
     )
-    check_thrash(thrash)
+    thrash = check_thrash(thrash)
     if ratio is not None:
         if budget is not None:
             raise ConfigError("dtr: give a budget or a ratio, not both")

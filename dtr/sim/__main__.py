@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     parser.add_argument("--engine", choices=["c++", "python", "python+c++core"], default="c++")
     parser.add_argument(
         "--sample",
-        type=_argument(lambda n: check_int("--sample", n), int),
+        type=_argument(lambda n: check_int("sample", n), int),
         default=None,
         help="victim search: best of N sampled candidates when more are evictable (0: exact; "
         "default: as the trace was recorded, exact for the prototype's traces)",

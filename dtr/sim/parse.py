@@ -23,7 +23,8 @@ class TraceError(DTRError, ValueError):
 
 INT64_MAX = 2**63 - 1
 UINT64_MAX = 2**64 - 1
-_INT = re.compile(r"-?[0-9]+")
+# a decimal int; 20 digits hold any int64 or uint64 (and int() refuses very long strings)
+_INT = re.compile(r"-?[0-9]{1,20}")
 # START's settings a replay reads, and the largest each may be (the C++ core's types)
 _SETTINGS = {"SEARCH_SAMPLE": INT64_MAX, "SEED": UINT64_MAX, "MIN_EVICT_BYTES": INT64_MAX}
 
