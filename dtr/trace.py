@@ -41,6 +41,12 @@ Extensions (only in traces dtr writes):
   none) from the next op on. A replay at the trace's own budget follows it; a replay at
   another budget (a what-if, a sweep) keeps its own throughout.
 
+The reader refuses, naming the file and line (``dtr.sim.TraceError``), any line that is
+not a JSON object, a record without a field its instruction needs or with one of the
+wrong type, a byte count (``MEMORY``, ``RESERVE``, ``BUDGET``) that is not an int
+between 0 (-1 for ``BUDGET``) and 2**63 - 1 or that takes the trace's total past it, a
+``TIME`` or ``COST`` that is not a finite number >= 0, and a trace with no operations.
+
 A live run differs from the prototype's in when it evicts (after each op, its outputs
 protected, rather than before it) and in how in-place updates work; the ``DTR`` key on
 the START line tells the simulator which semantics to replay.

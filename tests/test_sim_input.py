@@ -1,6 +1,6 @@
 """The simulator on bad input: every malformed trace or argument is one line on stderr
 starting ``dtr: `` (naming the file and line for a trace), an exit status of 1 (a bad
-trace) or 2 (a bad argument), never a traceback, the same from both replay engines and
+trace) or 2 (a bad argument), never a traceback, the same from every replay engine and
 from the Python API; and what it prints is strict JSON."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dtr.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED_GZ = os.path.join(REPO, "bench", "results", "traces", "mlp.jsonl.gz")
-ENGINES = ["c++", "python"]
+ENGINES = ["c++", "python", "python+c++core"]
 START = {"INSTRUCTION": "ANNOTATE", "ANNOTATION": "START"}
 
 
