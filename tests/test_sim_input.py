@@ -132,7 +132,11 @@ TRACES = {
     "COST inf": (lines(START, *call("op", [], "a", COST="inf")), 2, "COST 'inf'", []),
     "COST nan": (lines(START, *call("op", [], "a", COST="nan")), 2, "COST 'nan'", []),
     "COST a JSON NaN": (
-        lines(START, json.dumps(call("op", [], "a")[0] | {"COST": math.nan}), *call("op", [], "a")[1:]),
+        lines(
+            START,
+            json.dumps(call("op", [], "a")[0] | {"COST": math.nan}),
+            *call("op", [], "a")[1:],
+        ),
         2,
         "COST nan",
         [],
