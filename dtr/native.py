@@ -41,6 +41,7 @@ from . import config as _config
 from . import dlpack, errors, native_reads
 from . import schema as _schema
 from .errors import ConfigError, DTRError
+from .leaf_hooks import LeafHooks
 from .stats import Stats
 from .steps import StepStats, StepTracker
 from .timeline import Timeline
@@ -124,7 +125,8 @@ class NativeSession:
         self._engine = None
         self._guard = None
         self._stance = None  # torch.compiler.set_stance("force_eager") while open
-        self._hooks: list = []  # post-accumulate-grad hook handles, removed at exit
+        self._hooks: list = []  # the session's own hook handles, removed at exit
+        self._leaf_hooks = LeafHooks()  # on the leaves the engine's ops read under grad mode
         self._steps: StepTracker | None = None
         # the session's peaks before the last take_step_peak() (Runtime.peak_carry)
         self._peak_carry = self._max_carry = 0
@@ -207,6 +209,7 @@ class NativeSession:
                 for h in self._hooks:
                     h.remove()
                 self._hooks.clear()
+                self._leaf_hooks.remove_all()
                 if self.cache_bytes:
                     from . import _C
 
@@ -227,7 +230,7 @@ class NativeSession:
 
     def _hook_leaf(self, leaf: torch.Tensor) -> None:
         # Called by the engine once per leaf an op reads under grad mode.
-        self._hooks.append(leaf.register_post_accumulate_grad_hook(self._grad_ready))
+        self._leaf_hooks.add(leaf, self._grad_ready)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         # Optimizers see plain gradients, as under dtr.enable(); the value stays resident

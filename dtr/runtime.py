@@ -32,11 +32,12 @@ from .call import Call, rebuild_returns, returns_of, substitute
 from .config import DTRConfig
 from .errors import BudgetError, DTRError, InternalError, UnsupportedError
 from .fresh import FACTORIES, TRANSPOSES, FreshFactories, FreshTransposes
+from .leaf_hooks import LeafHooks
 from .protocol import Driver
 from .recipe import VERSION_SPEC, Rebuilt, Recipe, StandIn, copy_preserving_layout
 from .reserve import OutputSizes
 from .schema import OpFacts, op_facts
-from .steps import StepTracker
+from .steps import StepStats, StepTracker
 from .storage_keys import SPARSE_LAYOUTS, freed, parts, storage_key
 from .tensor import CheckpointTensor, Node, Ref, _serials
 from .timeline import Recorder
@@ -124,13 +125,7 @@ class Runtime(Driver):
         self.escaped_keys: dict[int, int] = {}  # its tid -> storage key
         self.pending_refs: list[Node] = []  # handles the program dropped
         self.hooks: list = []  # the session's own hooks, removed at close
-        # Gradient hooks on the leaves ops read under grad mode. A program can make new
-        # leaves every step (inputs that require grad): the handles of dead ones (whose
-        # hooks dict died with them) are dropped whenever the list doubles. No weak
-        # reference to the leaf itself: torch.utils.swap_tensors refuses tensors that
-        # have one.
-        self.leaf_hooks: list = []
-        self._prune_hooks_at = 64
+        self.leaf_hooks = LeafHooks()  # on the leaves ops read under grad mode
         self.lock = threading.RLock()
         self.is_open = True
         self.recompute_seconds = 0.0
@@ -913,11 +908,7 @@ class Runtime(Driver):
         if getattr(leaf, "_dtr_hooked", None) is self._token:
             return
         leaf._dtr_hooked = self._token
-        hooks = self.leaf_hooks
-        hooks.append(leaf.register_post_accumulate_grad_hook(self._grad_ready))
-        if len(hooks) >= self._prune_hooks_at:
-            hooks[:] = [h for h in hooks if h.hooks_dict_ref() is not None]
-            self._prune_hooks_at = max(64, 2 * len(hooks))
+        self.leaf_hooks.add(leaf, self._grad_ready)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         # Optimizers (foreach and fused paths included) see plain gradients.
@@ -1068,10 +1059,10 @@ class Runtime(Driver):
                 self.is_open = False
                 if self.trace is not None:
                     self.trace.close()
-                for handle in [*self.hooks, *self.leaf_hooks]:
+                for handle in self.hooks:
                     handle.remove()
                 self.hooks.clear()
-                self.leaf_hooks.clear()
+                self.leaf_hooks.remove_all()
                 self.storages.clear()
                 self.const_keys.clear()
                 self.const_storages.clear()
