@@ -1311,7 +1311,12 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     for (size_t k = 0; k < leaves.size(); ++k) {
       Leaf& l = leaves[k];
       if (facts.meta_only || l.native) continue;
-      if (l.tensor.defined() && !is_written(l.arg)) {
+      // A Python number the op was called with (`h * 1.0001`) arrives as a wrapped 0-dim
+      // tensor made for this call alone: a value, which the recipe keeps in its
+      // arguments, not memory of the program's (a constant per op would pin 8 bytes for
+      // as long as the recipe lives, growing with an unrolled recurrence).
+      if (l.tensor.defined() && !is_written(l.arg) &&
+          !l.tensor.unsafeGetTensorImpl()->is_wrapped_number()) {
         if (l.tensor.layout() == c10::kStrided) {
           tids[k] = e.constant(l.tensor, fresh);
         } else {  // a sparse tensor: each part's storage is a constant
