@@ -1003,6 +1003,16 @@ at::Tensor export_value(Engine& e, const at::Tensor& t) {
   return plain_view(t);
 }
 
+// Closes a step (Core::end_step): held values whose lineage reaches into an earlier step
+// are materialized and pinned, and the lineage only they kept is dropped.
+void end_step(Engine& e) {
+  std::lock_guard<std::recursive_mutex> g(e.mu);
+  if (!e.open) return;
+  e.flush();
+  const std::vector<int64_t> old = e.core.end_step();
+  if (!old.empty()) e.invalidate(old);
+}
+
 struct Leaf {
   size_t arg;
   int64_t item;
@@ -1999,6 +2009,11 @@ void bind(py::module_& m) {
             return export_value(e, t);
           },
           py::arg("tensor"))
+      .def("end_step",
+           [](Engine& e) {
+             py::gil_scoped_release nogil;
+             end_step(e);
+           })
       .def_property_readonly("open", [](Engine& e) { return e.open.load(); })
       .def("stats",
            [](Engine& e) {

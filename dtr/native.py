@@ -171,10 +171,10 @@ class NativeSession:
                 raise
         self._engine = engine
         self._steps = StepTracker(self)
-        if self.config.log_steps:  # a step ends at every optimizer.step() (dtr.enable's)
-            self._hooks.append(
-                register_optimizer_step_post_hook(lambda *_: self._end_step_from_hook())
-            )
+        # a step ends at every optimizer.step() (dtr.enable's): see end_step()
+        self._hooks.append(
+            register_optimizer_step_post_hook(lambda *_: self._end_step_from_hook())
+        )
         # torch.compile'd code runs eagerly in the block, as under dtr.enable() (where
         # Dynamo breaks its graph at every op): a managed tensor is a plain torch.Tensor
         # to Dynamo, so it would compile, and inductor's kernels read their inputs'
@@ -281,6 +281,7 @@ class NativeSession:
         INFO to the "dtr" logger) what the engine did since the previous one."""
         if self._engine is None or not self._engine.open:
             raise DTRError("dtr: end_step() needs an active session")
+        self._engine.end_step()  # lineage carried across steps is cut (Core::end_step)
         return self._steps.end()
 
     def steps(self) -> list[StepStats]:
@@ -319,7 +320,9 @@ class NativeSession:
 
     def _end_step_from_hook(self) -> None:
         if self._engine is not None and self._engine.open:
-            self._steps.end()
+            self._engine.end_step()
+            if self.config.log_steps:
+                self._steps.end()
 
 
 def _compress(src: str, dst: str) -> None:

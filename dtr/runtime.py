@@ -147,11 +147,10 @@ class Runtime(Driver):
         # What the dispatch mode calls for every op: the C++ fast path, or handle().
         self._fast = self._fast_path()
         self.dispatch = self._fast or self.handle
-        if config.log_steps:
-            # A step ends at every optimizer.step() while the session is open.
-            self.hooks.append(
-                register_optimizer_step_post_hook(lambda *_: self._end_step_from_hook())
-            )
+        # A step ends at every optimizer.step() while the session is open (end_step).
+        self.hooks.append(
+            register_optimizer_step_post_hook(lambda *_: self._end_step_from_hook())
+        )
 
     # ================================================================== entry
     def _fast_path(self):
@@ -698,8 +697,22 @@ class Runtime(Driver):
 
     def _end_step_from_hook(self) -> None:
         if self.is_open:
-            with self.lock:
-                self.steps.end()
+            self.end_step(summarize=self.config.log_steps)
+
+    def end_step(self, summarize: bool = True) -> StepStats | None:
+        """Close a training step: held values whose lineage reaches into an earlier step
+        are materialized and pinned (Core.end_step), so that a value carried from step to
+        step keeps no lineage of the steps before; with summarize, the step's summary is
+        closed and returned (dtr/steps.py)."""
+        with self.lock:
+            if self.is_open:
+                with internal():
+                    if self.pending_refs:  # a handle the program dropped holds nothing
+                        self._flush()
+                    old = self.core.end_step()
+                    if old:
+                        self.invalidate(old)
+            return self.steps.end() if summarize else None
 
     # ================================================================== values
     def _value(self, node: Node) -> torch.Tensor:
