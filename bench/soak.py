@@ -54,15 +54,15 @@ def rss_kib() -> int:
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Linear(32, 64), nn.Tanh()]
+    layers: list[nn.Module] = [nn.Linear(16, 32), nn.Tanh()]
     for _ in range(8):
-        layers += [nn.Linear(64, 64), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(64, 1))
+        layers += [nn.Linear(32, 32), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(32, 1))
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randn(128, 32, generator=g), torch.randn(128, 1, generator=g)
+    return torch.randn(128, 16, generator=g), torch.randn(128, 1, generator=g)
 
 
 def _train(session, steps: int, every: int, on_sample) -> float:
