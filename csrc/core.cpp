@@ -80,6 +80,7 @@ int64_t Core::new_tensor(int64_t pool, int64_t recipe, int64_t ext, bool mat) {
   t.ext = ext;
   t.mat = mat;
   t.used = true;
+  t.born = step;
   PoolRec& p = P(pool);
   p.members.push_back(tid);
   if (ext > 0) p.alive += 1;
@@ -927,6 +928,60 @@ std::vector<int64_t> Core::descendants(const std::vector<int64_t>& seeds) const 
           stack.push_back(o);
         }
   }
+  return out;
+}
+
+// A value carried from step to step (a running mean of the loss) reads the previous
+// step's, so its lineage would grow by a step's ops every step, with the evictions and
+// recomputations that walk it. A held tensor whose recomputable ancestors include one
+// recorded in an earlier step is cut here; lineage that stays within one step (the
+// graph of a model still awaiting its backward) is left as it is.
+std::vector<int64_t> Core::end_step() {
+  // Per tensor: 0 not seen, 1 being walked, 2 its lineage stays in this step, 3 it does
+  // not. A post-order walk (Invariant 7), each recomputable tensor visited once.
+  std::vector<char> state(tensors_.size(), 0);
+  std::vector<std::pair<int64_t, size_t>> stack;
+  auto old_lineage = [&](int64_t root) {
+    if (state[root] < 2) {
+      state[root] = 1;
+      stack.assign(1, {root, 0});
+    }
+    while (!stack.empty()) {
+      const int64_t x = stack.back().first;
+      const std::vector<int64_t>& inputs = recipes_[tensors_[x].recipe].inputs;
+      size_t& k = stack.back().second;
+      char result = 2;
+      for (; k < inputs.size(); ++k) {
+        const int64_t i = inputs[k];
+        const TensorRec& in = tensors_[i];
+        if (in.recipe < 0 || pools_[in.pool].constant) continue;  // a root of lineage
+        if (in.born < step || state[i] == 3) {
+          result = 3;
+          break;
+        }
+        if (state[i] == 0) {
+          result = 0;  // walk the input first, then look at it again
+          break;
+        }
+      }
+      if (result == 0) {
+        const int64_t i = inputs[k];
+        state[i] = 1;
+        stack.emplace_back(i, 0);
+        continue;
+      }
+      state[x] = result;
+      stack.pop_back();
+    }
+    return state[root] == 3;
+  };
+  std::vector<int64_t> out;
+  for (int64_t tid = 0; tid < static_cast<int64_t>(tensors_.size()); ++tid) {
+    const TensorRec& t = tensors_[tid];
+    if (!t.used || t.ext == 0 || t.recipe < 0 || pools_[t.pool].constant) continue;
+    if (old_lineage(tid)) out.push_back(tid);
+  }
+  step += 1;
   return out;
 }
 

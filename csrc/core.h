@@ -40,6 +40,7 @@ struct TensorRec {
   int64_t recipe = -1;
   int64_t ext = 0;
   int64_t lock = 0;
+  int64_t born = 0;  // the step it was recorded in (Core::end_step)
   bool mat = false;
   bool used = false;
   std::vector<int64_t> consumers;
@@ -130,6 +131,9 @@ class Core {
   int64_t pool_of(int64_t tid) const { return T(tid).pool; }
   int64_t pool_bytes(int64_t tid) const { return P(T(tid).pool).nbytes; }
   std::vector<int64_t> descendants(const std::vector<int64_t>& seeds) const;
+  // Closes a step: the held tensors whose lineage reaches into an earlier step, which
+  // the driver cuts (materialized and pinned), and the next step begins.
+  std::vector<int64_t> end_step();
   std::vector<int64_t> alive() const;
   int64_t pinned_bytes() const;
   int64_t constant_bytes() const;
@@ -150,6 +154,7 @@ class Core {
   double remat_cost = 0.0;
   int64_t evictions = 0;
   int64_t eager_evictions = 0;
+  int64_t step = 0;  // steps closed by end_step()
   // The paper's simulator's staleness clock (the simulator sets it for the prototype's
   // traces): a pool is stamped when an op or a rerun that reads it is requested (touch(),
   // and remat_step() for a rerun's inputs) and when an op creates it; never by a lock, by

@@ -1003,6 +1003,16 @@ at::Tensor export_value(Engine& e, const at::Tensor& t) {
   return plain_view(t);
 }
 
+// Closes a step (Core::end_step): held values whose lineage reaches into an earlier step
+// are materialized and pinned, and the lineage only they kept is dropped.
+void end_step(Engine& e) {
+  std::lock_guard<std::recursive_mutex> g(e.mu);
+  if (!e.open) return;
+  e.flush();
+  const std::vector<int64_t> old = e.core.end_step();
+  if (!old.empty()) e.invalidate(old);
+}
+
 struct Leaf {
   size_t arg;
   int64_t item;
@@ -1311,7 +1321,12 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     for (size_t k = 0; k < leaves.size(); ++k) {
       Leaf& l = leaves[k];
       if (facts.meta_only || l.native) continue;
-      if (l.tensor.defined() && !is_written(l.arg)) {
+      // A Python number the op was called with (`h * 1.0001`) arrives as a wrapped 0-dim
+      // tensor made for this call alone: a value, which the recipe keeps in its
+      // arguments, not memory of the program's (a constant per op would pin 8 bytes for
+      // as long as the recipe lives, growing with an unrolled recurrence).
+      if (l.tensor.defined() && !is_written(l.arg) &&
+          !l.tensor.unsafeGetTensorImpl()->is_wrapped_number()) {
         if (l.tensor.layout() == c10::kStrided) {
           tids[k] = e.constant(l.tensor, fresh);
         } else {  // a sparse tensor: each part's storage is a constant
@@ -1994,6 +2009,11 @@ void bind(py::module_& m) {
             return export_value(e, t);
           },
           py::arg("tensor"))
+      .def("end_step",
+           [](Engine& e) {
+             py::gil_scoped_release nogil;
+             end_step(e);
+           })
       .def_property_readonly("open", [](Engine& e) { return e.open.load(); })
       .def("stats",
            [](Engine& e) {

@@ -53,13 +53,14 @@ class CoreError(RuntimeError):
 
 
 class _Tensor:
-    __slots__ = ("pool", "recipe", "ext", "lock", "mat", "consumers")
+    __slots__ = ("pool", "recipe", "ext", "lock", "born", "mat", "consumers")
 
-    def __init__(self, pool: int, recipe: int, ext: int, mat: bool):
+    def __init__(self, pool: int, recipe: int, ext: int, mat: bool, born: int):
         self.pool = pool
         self.recipe = recipe
         self.ext = ext
         self.lock = 0
+        self.born = born  # the step it was recorded in (end_step)
         self.mat = mat
         self.consumers: list[int] = []
 
@@ -166,10 +167,11 @@ class PyCore:
         self.remat_cost = 0.0
         self.evictions = 0
         self.eager_evictions = 0
+        self.step = 0  # steps closed by end_step()
 
     # ------------------------------------------------------------------ allocation
     def _new_tensor(self, pool: int, recipe: int, ext: int, mat: bool) -> int:
-        t = _Tensor(pool, recipe, ext, mat)
+        t = _Tensor(pool, recipe, ext, mat, self.step)
         if self._free_t:
             tid = self._free_t.pop()
             self._T[tid] = t
@@ -921,6 +923,63 @@ class PyCore:
                         seen.add(o)
                         out.append(o)
                         stack.append(o)
+        return out
+
+    def end_step(self) -> list[int]:
+        """Closes a step: the held tensors whose lineage reaches into an earlier step,
+        which the driver cuts (materialized and pinned), and the next step begins.
+
+        A value carried from step to step (a running mean of the loss) reads the previous
+        step's, so its lineage would grow by a step's ops every step, with the evictions
+        and recomputations that walk it. Lineage that stays within one step (the graph of
+        a model still awaiting its backward) is left as it is."""
+        T, R, P = self._T, self._R, self._P
+        # Per tensor: 0 not seen, 1 being walked, 2 its lineage stays in this step, 3 it
+        # does not. A post-order walk (Invariant 7), each recomputable tensor visited once.
+        state = [0] * len(T)
+
+        def old_lineage(root: int) -> bool:
+            stack: list[list[int]] = []
+            if state[root] < 2:
+                state[root] = 1
+                stack.append([root, 0])
+            while stack:
+                frame = stack[-1]
+                x = frame[0]
+                inputs = R[T[x].recipe].inputs
+                result = 2
+                while frame[1] < len(inputs):
+                    i = inputs[frame[1]]
+                    inp = T[i]
+                    if inp.recipe < 0 or P[inp.pool].constant:  # a root of lineage
+                        frame[1] += 1
+                        continue
+                    if inp.born < self.step or state[i] == 3:
+                        result = 3
+                        break
+                    if state[i] == 0:
+                        result = 0  # walk the input first, then look at it again
+                        break
+                    frame[1] += 1
+                if result == 0:
+                    i = inputs[frame[1]]
+                    state[i] = 1
+                    stack.append([i, 0])
+                    continue
+                state[x] = result
+                stack.pop()
+            return state[root] == 3
+
+        out = [
+            tid
+            for tid, t in enumerate(T)
+            if t is not None
+            and t.ext > 0
+            and t.recipe >= 0
+            and not P[t.pool].constant
+            and old_lineage(tid)
+        ]
+        self.step += 1
         return out
 
     def alive(self) -> list[int]:

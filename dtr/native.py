@@ -41,6 +41,7 @@ from . import config as _config
 from . import dlpack, errors, native_reads
 from . import schema as _schema
 from .errors import ConfigError, DTRError
+from .leaf_hooks import LeafHooks
 from .stats import Stats
 from .steps import StepStats, StepTracker
 from .timeline import Timeline
@@ -124,7 +125,8 @@ class NativeSession:
         self._engine = None
         self._guard = None
         self._stance = None  # torch.compiler.set_stance("force_eager") while open
-        self._hooks: list = []  # post-accumulate-grad hook handles, removed at exit
+        self._hooks: list = []  # the session's own hook handles, removed at exit
+        self._leaf_hooks = LeafHooks()  # on the leaves the engine's ops read under grad mode
         self._steps: StepTracker | None = None
         # the session's peaks before the last take_step_peak() (Runtime.peak_carry)
         self._peak_carry = self._max_carry = 0
@@ -169,10 +171,10 @@ class NativeSession:
                 raise
         self._engine = engine
         self._steps = StepTracker(self)
-        if self.config.log_steps:  # a step ends at every optimizer.step() (dtr.enable's)
-            self._hooks.append(
-                register_optimizer_step_post_hook(lambda *_: self._end_step_from_hook())
-            )
+        # a step ends at every optimizer.step() (dtr.enable's): see end_step()
+        self._hooks.append(
+            register_optimizer_step_post_hook(lambda *_: self._end_step_from_hook())
+        )
         # torch.compile'd code runs eagerly in the block, as under dtr.enable() (where
         # Dynamo breaks its graph at every op): a managed tensor is a plain torch.Tensor
         # to Dynamo, so it would compile, and inductor's kernels read their inputs'
@@ -207,6 +209,7 @@ class NativeSession:
                 for h in self._hooks:
                     h.remove()
                 self._hooks.clear()
+                self._leaf_hooks.remove_all()
                 if self.cache_bytes:
                     from . import _C
 
@@ -227,7 +230,7 @@ class NativeSession:
 
     def _hook_leaf(self, leaf: torch.Tensor) -> None:
         # Called by the engine once per leaf an op reads under grad mode.
-        self._hooks.append(leaf.register_post_accumulate_grad_hook(self._grad_ready))
+        self._leaf_hooks.add(leaf, self._grad_ready)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         # Optimizers see plain gradients, as under dtr.enable(); the value stays resident
@@ -278,6 +281,7 @@ class NativeSession:
         INFO to the "dtr" logger) what the engine did since the previous one."""
         if self._engine is None or not self._engine.open:
             raise DTRError("dtr: end_step() needs an active session")
+        self._engine.end_step()  # lineage carried across steps is cut (Core::end_step)
         return self._steps.end()
 
     def steps(self) -> list[StepStats]:
@@ -316,7 +320,9 @@ class NativeSession:
 
     def _end_step_from_hook(self) -> None:
         if self._engine is not None and self._engine.open:
-            self._steps.end()
+            self._engine.end_step()
+            if self.config.log_steps:
+                self._steps.end()
 
 
 def _compress(src: str, dst: str) -> None:

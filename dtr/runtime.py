@@ -32,11 +32,12 @@ from .call import Call, rebuild_returns, returns_of, substitute
 from .config import DTRConfig
 from .errors import BudgetError, DTRError, InternalError, UnsupportedError
 from .fresh import FACTORIES, TRANSPOSES, FreshFactories, FreshTransposes
+from .leaf_hooks import LeafHooks
 from .protocol import Driver
 from .recipe import VERSION_SPEC, Rebuilt, Recipe, StandIn, copy_preserving_layout
 from .reserve import OutputSizes
 from .schema import OpFacts, op_facts
-from .steps import StepTracker
+from .steps import StepStats, StepTracker
 from .storage_keys import SPARSE_LAYOUTS, freed, parts, storage_key
 from .tensor import CheckpointTensor, Node, Ref, _serials
 from .timeline import Recorder
@@ -124,13 +125,7 @@ class Runtime(Driver):
         self.escaped_keys: dict[int, int] = {}  # its tid -> storage key
         self.pending_refs: list[Node] = []  # handles the program dropped
         self.hooks: list = []  # the session's own hooks, removed at close
-        # Gradient hooks on the leaves ops read under grad mode. A program can make new
-        # leaves every step (inputs that require grad): the handles of dead ones (whose
-        # hooks dict died with them) are dropped whenever the list doubles. No weak
-        # reference to the leaf itself: torch.utils.swap_tensors refuses tensors that
-        # have one.
-        self.leaf_hooks: list = []
-        self._prune_hooks_at = 64
+        self.leaf_hooks = LeafHooks()  # on the leaves ops read under grad mode
         self.lock = threading.RLock()
         self.is_open = True
         self.recompute_seconds = 0.0
@@ -152,11 +147,10 @@ class Runtime(Driver):
         # What the dispatch mode calls for every op: the C++ fast path, or handle().
         self._fast = self._fast_path()
         self.dispatch = self._fast or self.handle
-        if config.log_steps:
-            # A step ends at every optimizer.step() while the session is open.
-            self.hooks.append(
-                register_optimizer_step_post_hook(lambda *_: self._end_step_from_hook())
-            )
+        # A step ends at every optimizer.step() while the session is open (end_step).
+        self.hooks.append(
+            register_optimizer_step_post_hook(lambda *_: self._end_step_from_hook())
+        )
 
     # ================================================================== entry
     def _fast_path(self):
@@ -703,8 +697,22 @@ class Runtime(Driver):
 
     def _end_step_from_hook(self) -> None:
         if self.is_open:
-            with self.lock:
-                self.steps.end()
+            self.end_step(summarize=self.config.log_steps)
+
+    def end_step(self, summarize: bool = True) -> StepStats | None:
+        """Close a training step: held values whose lineage reaches into an earlier step
+        are materialized and pinned (Core.end_step), so that a value carried from step to
+        step keeps no lineage of the steps before; with summarize, the step's summary is
+        closed and returned (dtr/steps.py)."""
+        with self.lock:
+            if self.is_open:
+                with internal():
+                    if self.pending_refs:  # a handle the program dropped holds nothing
+                        self._flush()
+                    old = self.core.end_step()
+                    if old:
+                        self.invalidate(old)
+            return self.steps.end() if summarize else None
 
     # ================================================================== values
     def _value(self, node: Node) -> torch.Tensor:
@@ -913,11 +921,7 @@ class Runtime(Driver):
         if getattr(leaf, "_dtr_hooked", None) is self._token:
             return
         leaf._dtr_hooked = self._token
-        hooks = self.leaf_hooks
-        hooks.append(leaf.register_post_accumulate_grad_hook(self._grad_ready))
-        if len(hooks) >= self._prune_hooks_at:
-            hooks[:] = [h for h in hooks if h.hooks_dict_ref() is not None]
-            self._prune_hooks_at = max(64, 2 * len(hooks))
+        self.leaf_hooks.add(leaf, self._grad_ready)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         # Optimizers (foreach and fused paths included) see plain gradients.
@@ -1068,10 +1072,10 @@ class Runtime(Driver):
                 self.is_open = False
                 if self.trace is not None:
                     self.trace.close()
-                for handle in [*self.hooks, *self.leaf_hooks]:
+                for handle in self.hooks:
                     handle.remove()
                 self.hooks.clear()
-                self.leaf_hooks.clear()
+                self.leaf_hooks.remove_all()
                 self.storages.clear()
                 self.const_keys.clear()
                 self.const_storages.clear()

@@ -192,12 +192,13 @@ class Session:
 
     def end_step(self) -> StepStats:
         """Close a training step: returns (and logs at INFO to the "dtr" logger) what dtr
-        did since the previous one. With ``log_steps=True`` every optimizer.step() does
-        this already; call it yourself for hand-written updates or several optimizers."""
+        did since the previous one. Every optimizer.step() closes a step too (logged with
+        ``log_steps=True``); call this yourself for hand-written updates. At a step's end,
+        a held value whose lineage reaches into an earlier step (a running mean of the
+        loss) is materialized and pinned, so that no lineage grows from step to step."""
         if self._runtime is None:
             raise DTRError("dtr: end_step() needs an active session")
-        with self._runtime.lock:
-            return self._runtime.steps.end()
+        return self._runtime.end_step()
 
     def steps(self) -> list[StepStats]:
         """Every step closed so far, oldest first (see :meth:`end_step`)."""
