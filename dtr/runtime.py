@@ -31,6 +31,7 @@ from ._pycore import NEW, VERSION, VIEW
 from .call import Call, rebuild_returns, returns_of, substitute
 from .config import DTRConfig
 from .errors import BudgetError, DTRError, InternalError, UnsupportedError
+from .grads import hand_out
 from .fresh import FACTORIES, TRANSPOSES, FreshFactories, FreshTransposes
 from .protocol import Driver
 from .recipe import VERSION_SPEC, Rebuilt, Recipe, StandIn, copy_preserving_layout
@@ -923,7 +924,7 @@ class Runtime(Driver):
         # Optimizers (foreach and fused paths included) see plain gradients.
         grad = param.grad
         if isinstance(grad, CheckpointTensor) and grad._dtr_ref.runtime is self:
-            param.grad = self.export(grad._dtr_ref)
+            param.grad = hand_out(grad, lambda g: self.export(g._dtr_ref))
 
     def export(self, ref: Ref) -> torch.Tensor:
         """The plain value of a managed tensor, handed out to live on outside dtr. The
