@@ -192,6 +192,7 @@ class Runtime(Driver):
             or facts.metadata_inplace
             or facts.collective
             or bool(facts.plain_returns)
+            or facts.may_draw  # watched for random draws: _run's
             or func in _SPECIAL
         )
         managed = not special and not facts.writes
@@ -342,20 +343,23 @@ class Runtime(Driver):
                 core.make_room(reserve)
                 self.drain()
             self._prepare_writes(op)
-            if facts.seeded:
+            captured = None
+            if facts.seeded or facts.may_draw:
                 gen = call.argument(facts, facts.generator) if facts.generator >= 0 else None
-                op.captured = rng.capture(gen, _device_of(call.leaves))
-                # The saved generator state is memory the recipe holds: count it.
-                op.extra.append(self._constant(op.captured[1], op.fresh))
+                captured = rng.capture(gen, _device_of(call.leaves))
             real_args, real_kwargs = substitute(call.args, call.kwargs, call.where, op.vals)
             start = _perf()
             try:  # (the retry is off the fast path: a try costs nothing until it raises)
                 out = func(*real_args, **real_kwargs)
             except torch.OutOfMemoryError as exc:
                 out = self.retry_after_oom(
-                    exc, func, real_args, real_kwargs, not op.written, op.captured
+                    exc, func, real_args, real_kwargs, not op.written, captured
                 )
             op.cost = _perf() - start
+            if facts.seeded or (captured is not None and rng.drew(captured)):
+                op.captured = captured
+                # The saved generator state is memory the recipe holds: count it.
+                op.extra.append(self._constant(captured[1], op.fresh))
             cpu = (not op.vals or op.vals[0].is_cpu) and _first_cpu(out)  # (a factory: none)
             if self.model_cost or not cpu:
                 # On an accelerator the wall time around an asynchronous kernel is its
