@@ -192,7 +192,6 @@ class Runtime(Driver):
             or facts.metadata_inplace
             or facts.collective
             or bool(facts.plain_returns)
-            or facts.may_draw  # watched for random draws: _run's
             or func in _SPECIAL
         )
         managed = not special and not facts.writes
@@ -1209,6 +1208,7 @@ _FAST_TYPES = types.SimpleNamespace(
     object_new=object.__new__,
     serials=_serials,
     capture=rng.capture,
+    drew=rng.drew,
     recipe_freed=_recipe.freed_error,
     recipe_written=_recipe.written_error,
     recipe_replaced=_recipe.replaced_error,
