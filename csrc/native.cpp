@@ -45,6 +45,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -1048,9 +1049,15 @@ at::Generator generator_of(const c10::FunctionSchema& schema, const torch::jit::
 
 // Whether an op drew from gen: its state differs from `before`, taken when the op began.
 // An untagged op that did is replayed from `before` like a tagged one (Invariant 1).
+// (States are contiguous CPU byte tensors: compared as bytes, off the dispatcher.)
 bool drew(at::Generator& gen, const at::Tensor& before) {
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return !gen.get_state().equal(before);
+  at::Tensor now;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    now = gen.get_state();
+  }
+  return now.nbytes() != before.nbytes() ||
+         std::memcmp(now.const_data_ptr(), before.const_data_ptr(), now.nbytes()) != 0;
 }
 
 [[noreturn]] void refuse(const c10::OperatorHandle& op, const std::string& why) {
