@@ -1108,9 +1108,10 @@ OpFacts make_facts(const c10::OperatorHandle& op) {
   }
   f.seeded = op.hasTag(at::Tag::nondeterministic_seeded);
   const std::string& name = schema.name();
-  // aten's random ops all carry the tag; an op of another namespace (torch.library,
-  // TORCH_LIBRARY) need not, though its kernel may draw (dtr/schema.py's may_draw)
-  f.may_draw = !f.seeded && name.rfind("aten::", 0) != 0;
+  // aten's and prims' random ops all carry the tag; an op of another namespace
+  // (torch.library, TORCH_LIBRARY) need not, though its kernel may draw (dtr/schema.py's
+  // may_draw)
+  f.may_draw = !f.seeded && name.rfind("aten::", 0) != 0 && name.rfind("prims::", 0) != 0;
   f.reshapes = op.hasTag(at::Tag::inplace_view) || name == "aten::resize_" ||
                name == "aten::resize_as_" || name == "aten::set_";
   f.meta_only = kMetaOnly.count(name) > 0;

@@ -89,6 +89,9 @@ _PLAIN_RETURNS = {"aten::_pack_padded_sequence": frozenset({1})}
 # (a!) in their schemas (``allreduce_(Tensor[] tensors, ...)``), asynchronously.
 COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional"}
 
+# Namespaces whose random ops are tagged nondeterministic_seeded, all of them.
+_TAGGED_NAMESPACES = {"aten", "prims"}
+
 # Ops that read nothing but their tensor arguments' metadata. Their recipes depend on no
 # value, so recomputing an ``empty_like(x)`` never recomputes x (dropout's mask starts so).
 _META_ONLY = {
@@ -176,9 +179,10 @@ def _compute(func) -> OpFacts:
         arg_index={n: i for i, n in enumerate(names)},
         writes=writes,
         seeded=seeded,
-        # aten's random ops all carry the tag; an op of another namespace (torch.library,
-        # TORCH_LIBRARY) need not, though its kernel may draw (csrc/native.cpp's may_draw)
-        may_draw=not seeded and namespace != "aten" and namespace not in COLLECTIVE_NAMESPACES,
+        # aten's and prims' random ops all carry the tag; an op of another namespace
+        # (torch.library, TORCH_LIBRARY) need not, though its kernel may draw
+        # (csrc/native.cpp's may_draw)
+        may_draw=not seeded and namespace not in _TAGGED_NAMESPACES | COLLECTIVE_NAMESPACES,
         generator=generator,
         metadata_inplace=schema.name in _METADATA_INPLACE,
         view_inplace=out_of_place(func) if schema.name in VIEW_INPLACE else None,
