@@ -56,6 +56,7 @@ const FastPath::OpInfo& FastPath::info(py::handle func) {
   op.writes_managed = route[4].cast<bool>();
   for (py::handle w : op.facts.attr("writes")) op.writes.push_back(w.cast<int64_t>());
   op.seeded = op.facts.attr("seeded").cast<bool>();
+  op.may_draw = op.facts.attr("may_draw").cast<bool>();
   op.generator = op.facts.attr("generator").cast<int64_t>();
   op.arg_index = op.facts.attr("arg_index");
   op.arg_names = op.facts.attr("arg_names");
@@ -374,7 +375,7 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
   }
   std::vector<int64_t> extra;  // core inputs beyond the leaves: the captured RNG state
   py::object captured = py::none();
-  if (op.seeded) {
+  if (op.seeded || op.may_draw) {
     // Call.argument(facts, facts.generator), then rng.capture(gen, _device_of(leaves))
     py::object gen = py::none();
     if (op.generator >= 0) {
@@ -389,7 +390,7 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
     }
     captured = call(capture_, {gen, get(py::handle(leaves[0].arg), s_device_)});
     // The saved generator state is memory the recipe holds: count it.
-    extra.push_back(constant(PyTuple_GET_ITEM(captured.ptr(), 1), locks.fresh));
+    if (op.seeded) extra.push_back(constant(PyTuple_GET_ITEM(captured.ptr(), 1), locks.fresh));
   }
   std::vector<PyObject*> vals(n);
   for (size_t k = 0; k < n; ++k) vals[k] = leaves[k].value.ptr();
@@ -406,6 +407,12 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
                                     py::bool_(written.empty()), captured});
   }
   double cost = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (op.may_draw) {  // kept as a random op's only if it drew (Runtime._run)
+    if (call(drew_, {captured}).cast<bool>())
+      extra.push_back(constant(PyTuple_GET_ITEM(captured.ptr(), 1), locks.fresh));
+    else
+      captured = py::none();
+  }
 
   // ---- Runtime._record: the op's tensors, as returns_of lists them
   std::vector<Out> outs;

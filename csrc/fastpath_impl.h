@@ -110,6 +110,7 @@ class FastPath {
     set_neg_ = types.attr("set_neg");
     object_new_ = types.attr("object_new");
     capture_ = types.attr("capture");
+    drew_ = types.attr("drew");
     recipe_freed_ = types.attr("recipe_freed");
     recipe_written_ = types.attr("recipe_written");
     recipe_replaced_ = types.attr("recipe_replaced");
@@ -161,6 +162,7 @@ class FastPath {
     std::vector<int64_t> writes;  // schema positions it writes
     int64_t generator = -1;       // schema position of its Generator, if it draws numbers
     bool seeded = false;
+    bool may_draw = false;  // may draw untagged: watched, kept as random if it drew
     py::object arg_index, arg_names;
     py::object func, facts, name, op;  // op: func._op, the C++ callable behind func
     int64_t nreturns = 1;
@@ -200,7 +202,8 @@ class FastPath {
   static void note_raised(PyObject* type, const char* what);
 
   py::object rt_, ckpt_type_, node_type_, ref_type_, recipe_type_, oom_type_, roofline_;
-  py::object make_wrapper_, set_conj_, set_neg_, object_new_, wrapper_kwnames_, capture_;
+  py::object make_wrapper_, set_conj_, set_neg_, object_new_, wrapper_kwnames_, capture_,
+      drew_;
   py::object recipe_freed_, recipe_written_, recipe_replaced_, stand_in_type_, rebuilt_type_,
       copy_layout_, storage_freed_, parameter_type_, serials_;
   py::object nodes_, storages_, const_keys_, const_storages_, escaped_, escaped_keys_, sizes_,

@@ -45,6 +45,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -1047,13 +1048,26 @@ bool returns_tensors(const c10::Argument& r) {
          t->isSubtypeOf(*c10::ListType::ofOptionalTensors());
 }
 
-// The generator a random op draws from: its `generator` argument, else the CPU default.
+// The generator a random op draws from: its Generator argument (aten names it
+// `generator`; a custom op may not), else the CPU default.
 at::Generator generator_of(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
                            size_t begin) {
   for (size_t i = 0; i < schema.arguments().size(); ++i)
-    if (schema.arguments()[i].name() == "generator" && stack[begin + i].isGenerator())
-      return stack[begin + i].toGenerator();
+    if (stack[begin + i].isGenerator()) return stack[begin + i].toGenerator();
   return at::detail::getDefaultCPUGenerator();
+}
+
+// Whether an op drew from gen: its state differs from `before`, taken when the op began.
+// An untagged op that did is replayed from `before` like a tagged one (Invariant 1).
+// (States are contiguous CPU byte tensors: compared as bytes, off the dispatcher.)
+bool drew(at::Generator& gen, const at::Tensor& before) {
+  at::Tensor now;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    now = gen.get_state();
+  }
+  return now.nbytes() != before.nbytes() ||
+         std::memcmp(now.const_data_ptr(), before.const_data_ptr(), now.nbytes()) != 0;
 }
 
 [[noreturn]] void refuse(const c10::OperatorHandle& op, const std::string& why) {
@@ -1073,6 +1087,7 @@ struct OpFacts {
   bool view = false;            // every return aliases an argument it does not write
   bool other_returns = false;   // a tensor result that is not a written argument
   bool seeded = false;          // draws random numbers
+  bool may_draw = false;        // not aten: may draw untagged, so the op is watched (drew)
   bool reshapes = false;        // changes its argument's shape or storage in place
   bool meta_only = false;       // reads only its tensors' metadata (empty_like, ...)
   bool bn_hidden_writes = false;
@@ -1103,6 +1118,10 @@ OpFacts make_facts(const c10::OperatorHandle& op) {
   }
   f.seeded = op.hasTag(at::Tag::nondeterministic_seeded);
   const std::string& name = schema.name();
+  // aten's and prims' random ops all carry the tag; an op of another namespace
+  // (torch.library, TORCH_LIBRARY) need not, though its kernel may draw (dtr/schema.py's
+  // may_draw)
+  f.may_draw = !f.seeded && name.rfind("aten::", 0) != 0 && name.rfind("prims::", 0) != 0;
   f.reshapes = op.hasTag(at::Tag::inplace_view) || name == "aten::resize_" ||
                name == "aten::resize_as_" || name == "aten::set_";
   f.meta_only = kMetaOnly.count(name) > 0;
@@ -1422,10 +1441,11 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
         snap_tid[k] = e.constant(snap[k], fresh);
       }
     // A random op replays from its generator's state before it ran (Invariant 1); the
-    // saved state is memory its recipe holds, counted as a constant.
+    // saved state is memory its recipe holds, counted as a constant. An op outside aten
+    // is watched the same way, and its state kept only if it drew.
     std::optional<at::Generator> gen;
     at::Tensor rng_state;
-    if (record && facts.seeded) {
+    if (record && (facts.seeded || facts.may_draw)) {
       gen = generator_of(schema, *stack, begin);
       std::lock_guard<std::mutex> lock(gen->mutex());
       rng_state = gen->get_state();
@@ -1437,6 +1457,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     auto start = std::chrono::steady_clock::now();
     Engine::call_below(op, stack, at::GradMode::is_enabled());
     double cost = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (gen && !facts.seeded && !drew(*gen, rng_state)) gen.reset();
     // outputs: an argument written in place (the program gets its own tensor back), a
     // view of an input (same storage) or of an earlier output, or fresh
     const size_t nret = schema.returns().size();

@@ -41,6 +41,7 @@ from . import config as _config
 from . import dlpack, errors, native_reads
 from . import schema as _schema
 from .errors import ConfigError, DTRError
+from .grads import hand_out
 from .leaf_hooks import LeafHooks
 from .stats import Stats
 from .steps import StepStats, StepTracker
@@ -237,7 +238,7 @@ class NativeSession:
         # (pinned) while the engine still holds it.
         grad = param.grad
         if grad is not None and self._engine.open and is_managed(grad):
-            param.grad = self._engine.export(grad)
+            param.grad = hand_out(grad, self._engine.export)
 
     def set_budget(self, budget) -> None:
         """Change the budget inside the block (bytes, or a string such as '2GiB'; None for

@@ -5,6 +5,9 @@ from a generator: the one passed as its ``generator=`` argument, or the default 
 of its device. Before the op first runs we save that generator's state; a recomputation
 sets it back, runs, and restores the current state, so recomputing never shifts the
 random stream the program sees.
+
+An op outside aten may draw without the tag (a custom noise kernel): its generator's state
+is captured all the same, and kept only if the op changed it (``drew``).
 """
 
 from __future__ import annotations
@@ -41,3 +44,9 @@ def replaying(captured):
         yield
     finally:
         gen.set_state(saved)
+
+
+def drew(captured) -> bool:
+    """Whether the generator of ``captured`` (from ``capture``) has moved since."""
+    gen, state = captured
+    return not torch.equal(gen.get_state(), state)

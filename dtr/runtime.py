@@ -31,6 +31,7 @@ from ._pycore import NEW, VERSION, VIEW
 from .call import Call, rebuild_returns, returns_of, substitute
 from .config import DTRConfig
 from .errors import BudgetError, DTRError, InternalError, UnsupportedError
+from .grads import hand_out
 from .fresh import FACTORIES, TRANSPOSES, FreshFactories, FreshTransposes
 from .leaf_hooks import LeafHooks
 from .protocol import Driver
@@ -335,20 +336,23 @@ class Runtime(Driver):
                 core.make_room(reserve)
                 self.drain()
             self._prepare_writes(op)
-            if facts.seeded:
+            captured = None
+            if facts.seeded or facts.may_draw:
                 gen = call.argument(facts, facts.generator) if facts.generator >= 0 else None
-                op.captured = rng.capture(gen, _device_of(call.leaves))
-                # The saved generator state is memory the recipe holds: count it.
-                op.extra.append(self._constant(op.captured[1], op.fresh))
+                captured = rng.capture(gen, _device_of(call.leaves))
             real_args, real_kwargs = substitute(call.args, call.kwargs, call.where, op.vals)
             start = _perf()
             try:  # (the retry is off the fast path: a try costs nothing until it raises)
                 out = func(*real_args, **real_kwargs)
             except torch.OutOfMemoryError as exc:
                 out = self.retry_after_oom(
-                    exc, func, real_args, real_kwargs, not op.written, op.captured
+                    exc, func, real_args, real_kwargs, not op.written, captured
                 )
             op.cost = _perf() - start
+            if facts.seeded or (captured is not None and rng.drew(captured)):
+                op.captured = captured
+                # The saved generator state is memory the recipe holds: count it.
+                op.extra.append(self._constant(captured[1], op.fresh))
             cpu = (not op.vals or op.vals[0].is_cpu) and _first_cpu(out)  # (a factory: none)
             if self.model_cost or not cpu:
                 # On an accelerator the wall time around an asynchronous kernel is its
@@ -927,7 +931,7 @@ class Runtime(Driver):
         # Optimizers (foreach and fused paths included) see plain gradients.
         grad = param.grad
         if isinstance(grad, CheckpointTensor) and grad._dtr_ref.runtime is self:
-            param.grad = self.export(grad._dtr_ref)
+            param.grad = hand_out(grad, lambda g: self.export(g._dtr_ref))
 
     def export(self, ref: Ref) -> torch.Tensor:
         """The plain value of a managed tensor, handed out to live on outside dtr. The
@@ -1208,6 +1212,7 @@ _FAST_TYPES = types.SimpleNamespace(
     object_new=object.__new__,
     serials=_serials,
     capture=rng.capture,
+    drew=rng.drew,
     recipe_freed=_recipe.freed_error,
     recipe_written=_recipe.written_error,
     recipe_replaced=_recipe.replaced_error,

@@ -1,7 +1,8 @@
 """Facts about an op overload that the runtime needs on every call, computed once.
 
 The schema says which arguments an op writes (``Tensor(a!)``), whether it draws random
-numbers (``nondeterministic_seeded``), and which argument is its generator. A few ops
+numbers (``nondeterministic_seeded``; an op outside aten may draw without the tag), and
+which argument is its generator. A few ops
 write arguments without saying so in their schema; ``_HIDDEN_WRITES`` lists them.
 """
 
@@ -22,6 +23,7 @@ class OpFacts:
     arg_index: dict[str, int]
     writes: frozenset[int]  # schema positions of the arguments the op mutates
     seeded: bool  # draws random numbers: its RNG state is captured and replayed
+    may_draw: bool  # may draw without the tag: the runtime watches its generator (rng.drew)
     generator: int  # schema position of its Generator argument, -1 if none
     metadata_inplace: bool  # changes its argument's storage in place (set_, resize_)
     view_inplace: object  # for t_, squeeze_, ...: the out-of-place view op, else None
@@ -86,6 +88,9 @@ _PLAIN_RETURNS = {"aten::_pack_padded_sequence": frozenset({1})}
 # in-place ones (allreduce_, broadcast_, allgather_, ...) write their tensors without a
 # (a!) in their schemas (``allreduce_(Tensor[] tensors, ...)``), asynchronously.
 COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional"}
+
+# Namespaces whose random ops are tagged nondeterministic_seeded, all of them.
+_TAGGED_NAMESPACES = {"aten", "prims"}
 
 # Ops that read nothing but their tensor arguments' metadata. Their recipes depend on no
 # value, so recomputing an ``empty_like(x)`` never recomputes x (dropout's mask starts so).
@@ -162,6 +167,7 @@ def _compute(func) -> OpFacts:
     if namespace == "c10d":  # in-place collectives: every tensor argument may be written
         writes = frozenset(i for i, a in enumerate(schema.arguments) if "Tensor" in str(a.type))
     tags = getattr(func, "tags", ())
+    seeded = torch.Tag.nondeterministic_seeded in tags
     fresh = any(
         r.alias_info is None or not r.alias_info.is_write
         for r in schema.returns
@@ -172,7 +178,11 @@ def _compute(func) -> OpFacts:
         arg_names=names,
         arg_index={n: i for i, n in enumerate(names)},
         writes=writes,
-        seeded=torch.Tag.nondeterministic_seeded in tags,
+        seeded=seeded,
+        # aten's and prims' random ops all carry the tag; an op of another namespace
+        # (torch.library, TORCH_LIBRARY) need not, though its kernel may draw
+        # (csrc/native.cpp's may_draw)
+        may_draw=not seeded and namespace not in _TAGGED_NAMESPACES | COLLECTIVE_NAMESPACES,
         generator=generator,
         metadata_inplace=schema.name in _METADATA_INPLACE,
         view_inplace=out_of_place(func) if schema.name in VIEW_INPLACE else None,
