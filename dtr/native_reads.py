@@ -161,7 +161,8 @@ def remove() -> None:
     """Put PyTorch's methods back (at session exit)."""
     for name, saved in _saved.items():
         if saved is _MISSING:
-            delattr(torch.Tensor, name)
+            if name in vars(torch.Tensor):  # (install() may have stopped before setting it)
+                delattr(torch.Tensor, name)
         else:
             setattr(torch.Tensor, name, saved)
     _saved.clear()

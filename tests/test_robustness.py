@@ -1,0 +1,126 @@
+"""Crashes, hangs and unclear errors at the edges of a session: an interrupt while a
+block is being entered, tensor memory handed out by storage, `set_` onto a managed
+value, `torch.utils.swap_tensors` on tensors made in the block, managed tensors sent to
+another process, and plain tensors built from managed scalars. Each result is compared
+with eager PyTorch bitwise, on both engines; cases that could hang run with a timeout.
+"""
+
+from __future__ import annotations
+
+import linecache
+import sys
+
+import pytest
+import torch
+from torch.utils import _python_dispatch
+
+import dtr
+from dtr import native, session
+
+
+def _chain(x: torch.Tensor) -> list[torch.Tensor]:
+    h = torch.tanh(x * 2 + 1)
+    out = (h * h).sum()
+    out.backward()
+    return [out.detach(), x.grad.clone()]
+
+
+def _eager_chain() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return _chain(torch.randn(8, requires_grad=True))
+
+
+# ====================================================================== interrupted entry
+
+
+def _entry_files(engine: str) -> set[str]:
+    """The source files whose every line an interrupt may land before, while a session
+    of `engine` is entered."""
+    from dtr import direct_reads, dlpack, native_reads, runtime
+
+    if engine == "native":
+        modules = (native, native_reads, dlpack)
+    else:
+        modules = (session, runtime, direct_reads, dlpack, _python_dispatch)
+    return {m.__file__ for m in modules}
+
+
+def _enter_interrupted_at(engine: str, line: int) -> bool:
+    """Enters a session, raising KeyboardInterrupt before the line-th line run in its
+    entry code; whether the interrupt landed (else the block ran to its end)."""
+    files = _entry_files(engine)
+    seen = 0
+    withs = set()
+
+    def local(frame, event, arg):
+        nonlocal seen
+        if event != "line":
+            return local
+        # The tracer stops where no signal handler runs (the interpreter checks for
+        # signals at calls and backward jumps): on a `try:` line, a `return name` line,
+        # and a `with` line seen again before its __exit__ is called. An exception raised
+        # there skips the block's cleanup (a `with lock:` stays locked), which no signal
+        # can do.
+        where = (frame, frame.f_lineno)
+        text = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+        if (
+            text == "try:"
+            or (text.startswith("return ") and text[len("return ") :].isidentifier())
+            or (text.startswith("with ") and where in withs)
+        ):
+            return local
+        if text.startswith("with "):
+            withs.add(where)
+        seen += 1
+        if seen == line:
+            raise KeyboardInterrupt
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code.co_filename in files else None
+
+    s = dtr.enable(engine=engine, stress=True, cost_model="roofline")
+    sys.settrace(tracer)
+    try:
+        with s:
+            sys.settrace(None)
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
+def _process_state() -> tuple:
+    """What a session changes in the process while it is open."""
+    return (
+        session.current(),
+        dict(vars(torch.Tensor)),
+        torch._C._len_torch_dispatch_stack(),
+        torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PrivateUse1),
+        _python_dispatch._is_in_torch_dispatch_mode,
+        _python_dispatch._is_in_non_infra_torch_dispatch_mode,
+        torch._dynamo.eval_frame._stance.stance,
+    )
+
+
+def test_an_interrupt_anywhere_in_entry_leaves_no_session_behind(engine):
+    # Ctrl-C (or a signal handler's exception) while `with dtr.enable():` is being entered:
+    # whatever entry had installed is undone, so the process is as before and the next
+    # dtr.enable() runs (a half-open native session refused every later one as nested).
+    want = _eager_chain()
+    before = _process_state()
+    line = 0
+    while True:
+        line += 1
+        landed = _enter_interrupted_at(engine, line)
+        assert _process_state() == before, f"interrupted before line {line} of entry"
+        with dtr.enable(engine=engine, stress=True, cost_model="roofline") as s:
+            torch.manual_seed(0)
+            got = _chain(torch.randn(8, requires_grad=True))
+        assert s.stats().remats > 0
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(dtr.materialize(a), b)
+        if not landed:
+            break
+    assert line > 10  # every line of entry was tried
