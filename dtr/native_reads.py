@@ -30,7 +30,11 @@ C++ do not come here.
 
 from __future__ import annotations
 
+import sys
+
 import torch
+
+from .tensor import jagged_new_code
 
 _MISSING = object()
 _saved: dict[str, object] = {}
@@ -38,7 +42,7 @@ _saved: dict[str, object] = {}
 
 def _replacements(_C) -> dict:
     tolist, numpy, data_ptr = torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.data_ptr
-    is_shared = torch.Tensor.is_shared
+    is_shared, untyped_storage = torch.Tensor.is_shared, torch.Tensor.untyped_storage
     reduce_ex, deepcopy = torch.Tensor.__reduce_ex__, torch.Tensor.__deepcopy__
 
     def native_tolist(self):
@@ -66,6 +70,14 @@ def _replacements(_C) -> dict:
             return original(self, *args, **kwargs)
 
         return run
+
+    def native_untyped_storage(self):
+        # The value's storage, pinned as data_ptr() pins it: the caller may read or share
+        # its memory. A nested jagged tensor's constructor reads only the size (for every
+        # op on one): it gets the storage unpinned, or no budget below the peak is met.
+        if _C.is_native(self) and sys._getframe(1).f_code is not jagged_new_code():
+            _C.native_materialize(self)
+        return untyped_storage(self)
 
     def write_back(method: str):
         # apply_/map_/map2_ run a Python function over the memory itself: a write the
@@ -140,6 +152,7 @@ def _replacements(_C) -> dict:
         "new_tensor": legacy_constructor("new_tensor"),
         "is_shared": native_is_shared,
         "share_memory_": pinning("share_memory_"),
+        "untyped_storage": native_untyped_storage,
         "tolist": native_tolist,
         "numpy": native_numpy,
         "__dlpack__": pinning("__dlpack__"),

@@ -139,7 +139,7 @@ class CheckpointTensor(torch.Tensor):
         # pins made every jagged tensor's values unevictable. It gets a meta storage of
         # the value's size instead, while the block is open.
         ref = self._dtr_ref
-        if sys._getframe(1).f_code is _jagged_new_code() and ref.runtime.is_open:
+        if sys._getframe(1).f_code is jagged_new_code() and ref.runtime.is_open:
             nbytes = ref.runtime.core.pool_bytes(ref.node.tid)
             return torch.UntypedStorage(nbytes, device="meta")
         return _plain(self, export=True).untyped_storage()
@@ -203,7 +203,7 @@ def _write_back(t: CheckpointTensor, method: str, *args) -> CheckpointTensor:
 
 
 @functools.cache
-def _jagged_new_code():
+def jagged_new_code():
     """The code of torch's NestedTensor.__new__ (jagged layout), or None."""
     try:
         from torch.nested._internal.nested_tensor import NestedTensor

@@ -124,3 +124,25 @@ def test_an_interrupt_anywhere_in_entry_leaves_no_session_behind(engine):
         if not landed:
             break
     assert line > 10  # every line of entry was tried
+
+
+# ====================================================================== untyped_storage
+
+
+def test_untyped_storage_of_an_evicted_value_is_its_value(engine):
+    # untyped_storage() hands out the value's memory: the value is rebuilt and pinned (as
+    # data_ptr() and numpy() pin it), and the storage is the tensor's own, as in eager.
+    torch.manual_seed(0)
+    x = torch.randn(6, requires_grad=True)
+    want = (x * 2).detach()
+    with dtr.enable(engine=engine, stress=True, cost_model="roofline") as s:
+        y = x * 2
+        z = torch.tanh(y + 1)  # y is evicted after this op
+        assert s.stats().evictions > 0
+        storage = y.untyped_storage()
+        assert storage.data_ptr() == y.data_ptr()
+        assert bytes(storage) == bytes(want.untyped_storage())
+        for _ in range(3):
+            z = torch.tanh(z + 1)  # more evictions: y's memory is never freed under storage
+        assert bytes(storage) == bytes(want.untyped_storage())
+        assert storage.data_ptr() == y.data_ptr()
