@@ -21,7 +21,8 @@
 // its recipe, but a COO transpose is taken again from its source and torch.sparse.mm's
 // zeros is read as a managed copy: dtr/fresh.py, Made below). Refused with
 // dtr.UnsupportedError naming the op: in-place ops that replace a managed tensor's
-// storage (resize_, set_), a managed tensor mixed with a sparse one, tensors not on the
+// storage (resize_, set_; set_ also with a managed source, as the subclass engine
+// refuses it), a managed tensor mixed with a sparse one, tensors not on the
 // CPU. Gradients accumulated into a leaf's .grad are handed out plain, as by the default
 // engine. A budget that cannot be met raises dtr.BudgetError with the numbers. Before an
 // op runs under a budget, room is made for the bytes the last call with the same op and
@@ -1064,6 +1065,9 @@ struct OpFacts {
   bool other_returns = false;   // a tensor result that is not a written argument
   bool seeded = false;          // draws random numbers
   bool reshapes = false;        // changes its argument's shape or storage in place
+  // set_, resize_, resize_as_: refused whenever a managed tensor takes part, as a source
+  // too (a plain tensor set_ onto a managed value's storage would read it evicted)
+  bool replaces_storage = false;
   bool meta_only = false;       // reads only its tensors' metadata (empty_like, ...)
   bool bn_hidden_writes = false;
   bool fill = false;       // zero_, fill_.Scalar: how zeros/ones/full fill what they make
@@ -1077,6 +1081,9 @@ OpFacts make_facts(const c10::OperatorHandle& op) {
       "aten::empty_like",        "aten::zeros_like", "aten::ones_like",    "aten::full_like",
       "aten::rand_like",         "aten::randn_like", "aten::randint_like", "aten::new_empty",
       "aten::new_empty_strided", "aten::new_zeros",  "aten::new_ones",     "aten::new_full"};
+  // dtr/schema.py's _METADATA_INPLACE
+  static const std::unordered_set<std::string> kReplacesStorage = {
+      "aten::set_", "aten::resize_", "aten::resize_as_", "aten::resize_as_sparse_"};
   static const std::unordered_set<std::string> kBatchNorm = {
       "aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"};
   const auto& schema = op.schema();
@@ -1093,8 +1100,8 @@ OpFacts make_facts(const c10::OperatorHandle& op) {
   }
   f.seeded = op.hasTag(at::Tag::nondeterministic_seeded);
   const std::string& name = schema.name();
-  f.reshapes = op.hasTag(at::Tag::inplace_view) || name == "aten::resize_" ||
-               name == "aten::resize_as_" || name == "aten::set_";
+  f.replaces_storage = kReplacesStorage.count(name) > 0;
+  f.reshapes = op.hasTag(at::Tag::inplace_view) || f.replaces_storage;
   f.meta_only = kMetaOnly.count(name) > 0;
   f.bn_hidden_writes = kBatchNorm.count(name) > 0;
   const std::string& overload = schema.overload_name();
@@ -1274,7 +1281,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     stack->push_back(self);
     return;
   }
-  if (writes_managed && facts.reshapes)
+  if ((writes_managed && facts.reshapes) || (managed && facts.replaces_storage))
     throw Unsupported("dtr: " + py_name(schema) +
                       " replaces the storage of a managed tensor in place, which dtr does not "
                       "support; use the out-of-place op, or dtr.materialize() the tensor first");

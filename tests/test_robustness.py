@@ -146,3 +146,25 @@ def test_untyped_storage_of_an_evicted_value_is_its_value(engine):
             z = torch.tanh(z + 1)  # more evictions: y's memory is never freed under storage
         assert bytes(storage) == bytes(want.untyped_storage())
         assert storage.data_ptr() == y.data_ptr()
+
+
+# ====================================================================== set_
+
+
+@pytest.mark.parametrize("form", ["plain-onto-managed", "managed-onto-plain"])
+def test_set_with_a_managed_tensor_is_refused(engine, form):
+    # A plain tensor set_ onto a managed value's storage would read it freed once the
+    # value is evicted or dropped; a managed tensor set_ onto another storage would lose
+    # its lineage. Both engines refuse either with the same error.
+    torch.manual_seed(0)
+    x = torch.randn(6, requires_grad=True)
+    with dtr.enable(engine=engine, stress=True, cost_model="roofline"):
+        a = (x * 2).detach()
+        plain = torch.zeros(6)
+        with pytest.raises(dtr.UnsupportedError, match=r"^dtr: aten\.set_.*replaces the storage"):
+            if form == "plain-onto-managed":
+                plain.set_(a)
+            else:
+                a.set_(plain)
+        assert torch.equal(plain, torch.zeros(6))
+        assert torch.equal(dtr.materialize(a), (x * 2).detach())
