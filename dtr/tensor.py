@@ -157,6 +157,24 @@ class CheckpointTensor(torch.Tensor):
     def map2_(self, x, y, callable):
         return _write_back(self, "map2_", x, y, callable)
 
+    # Python's number protocol: torch.tensor([loss_a, loss_b]) reads each element through
+    # it with dtr's mode excluded, where PyTorch's own methods read the wrapper's memory
+    # (it has none). The value answers instead.
+    def __float__(self):
+        return _number(self, "__float__")
+
+    def __int__(self):
+        return _number(self, "__int__")
+
+    def __index__(self):
+        return _number(self, "__index__")
+
+    def __bool__(self):
+        return _number(self, "__bool__")
+
+    def __complex__(self):
+        return _number(self, "__complex__")
+
     def __repr__(self, *, tensor_contents=None):
         text = repr(_plain(self))
         suffix = ""
@@ -200,6 +218,13 @@ def _write_back(t: CheckpointTensor, method: str, *args) -> CheckpointTensor:
     args = [_plain(a) if isinstance(a, CheckpointTensor) else a for a in args]
     getattr(value, method)(*args)
     return t.copy_(value)
+
+
+def _number(t: CheckpointTensor, method: str):
+    value = _plain(t)
+    if t.requires_grad:  # PyTorch's warning about converting a tensor that requires grad
+        value = value.detach().requires_grad_(True)
+    return getattr(value, method)()
 
 
 @functools.cache

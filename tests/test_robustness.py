@@ -168,3 +168,35 @@ def test_set_with_a_managed_tensor_is_refused(engine, form):
                 a.set_(plain)
         assert torch.equal(plain, torch.zeros(6))
         assert torch.equal(dtr.materialize(a), (x * 2).detach())
+
+
+# ====================================================================== torch.tensor of scalars
+
+
+def _tensors_of_scalars(x: torch.Tensor) -> list[torch.Tensor]:
+    # losses and counts as 0-dim tensors, gathered with torch.tensor / torch.as_tensor
+    a, b = (x * 2).sum(), torch.tanh(x).mean()
+    c, d = (x * 3).amax(), (x - 1).square().sum()
+    n = (x > 0).sum()
+    return [
+        torch.tensor([a, b]),
+        torch.tensor([[a, b], [c, d]]),
+        torch.as_tensor([a, b]),
+        torch.tensor([n, n + 1]),
+        torch.tensor([a > 0, b < 0]),
+        torch.tensor([a.double(), b]),
+    ]
+
+
+def test_torch_tensor_of_managed_scalars(engine):
+    # torch.tensor reads each element through Python's number protocol with dispatch
+    # modes excluded: on the subclass engine PyTorch's __float__ then read the wrapper's
+    # memory ("data is not allocated yet").
+    torch.manual_seed(0)
+    x = torch.randn(16, requires_grad=True)
+    want = _tensors_of_scalars(x)
+    with dtr.enable(engine=engine, stress=True, cost_model="roofline") as s:
+        got = _tensors_of_scalars(x)
+    assert s.stats().evictions > 0
+    for g, w in zip(got, want, strict=True):
+        assert type(g) is torch.Tensor and g.dtype == w.dtype and torch.equal(g, w)
