@@ -193,7 +193,7 @@ class NativeSession:
         # memory directly (an evicted one is an error) and allocate what they save for
         # backward as plain tensors dtr cannot evict. The stance is process-wide.
         self._stance = torch.compiler.set_stance("force_eager")
-        native_reads.install()  # tolist(), numpy(), __dlpack__() of managed tensors
+        native_reads.install(lambda: self._engine)  # tolist(), numpy(), ... of managed tensors
         dlpack.install()  # torch.to_dlpack of a managed tensor, for the process's life
         # made before it is entered: exiting a guard never entered changes nothing
         self._guard = torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1)

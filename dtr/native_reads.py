@@ -37,7 +37,7 @@ import torch
 from .tensor import jagged_new_code
 
 _MISSING = object()
-_saved: dict[str, object] = {}
+_saved: dict[tuple[object, str], object] = {}
 
 
 def _replacements(_C) -> dict:
@@ -161,21 +161,41 @@ def _replacements(_C) -> dict:
     }
 
 
-def install() -> None:
-    """Replace the methods (at session enter)."""
+def _swap_tensors(session_engine):
+    original = torch.utils.swap_tensors
+
+    def swap_tensors(t1, t2):
+        # The engine remembers a tensor that zero_()/fill_() filled whole by a weak
+        # reference to it until the next op settles the entry (csrc/native.cpp,
+        # MadeByFill), and swap_tensors refuses a tensor that has one: settled first.
+        engine = session_engine()
+        if engine is not None and engine.open:
+            engine.settle_made()
+        return original(t1, t2)
+
+    return swap_tensors
+
+
+def install(session_engine=lambda: None) -> None:
+    """Replace the methods (at session enter); session_engine() is the open session's
+    engine, or None."""
     from . import _C
 
-    for name, method in _replacements(_C).items():
-        _saved[name] = torch.Tensor.__dict__.get(name, _MISSING)
-        setattr(torch.Tensor, name, method)
+    targets = [(torch.Tensor, name, method) for name, method in _replacements(_C).items()]
+    # Module._apply calls it as torch.utils.swap_tensors (conversions with
+    # torch.__future__.set_swap_module_params_on_conversion(True))
+    targets.append((torch.utils, "swap_tensors", _swap_tensors(session_engine)))
+    for owner, name, replacement in targets:
+        _saved[owner, name] = vars(owner).get(name, _MISSING)
+        setattr(owner, name, replacement)
 
 
 def remove() -> None:
     """Put PyTorch's methods back (at session exit)."""
-    for name, saved in _saved.items():
+    for (owner, name), saved in _saved.items():
         if saved is _MISSING:
-            if name in vars(torch.Tensor):  # (install() may have stopped before setting it)
-                delattr(torch.Tensor, name)
+            if name in vars(owner):  # (install() may have stopped before setting it)
+                delattr(owner, name)
         else:
-            setattr(torch.Tensor, name, saved)
+            setattr(owner, name, saved)
     _saved.clear()

@@ -96,6 +96,7 @@ def _process_state() -> tuple:
     return (
         session.current(),
         dict(vars(torch.Tensor)),
+        torch.utils.swap_tensors,
         torch._C._len_torch_dispatch_stack(),
         torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PrivateUse1),
         _python_dispatch._is_in_torch_dispatch_mode,
@@ -200,3 +201,43 @@ def test_torch_tensor_of_managed_scalars(engine):
     assert s.stats().evictions > 0
     for g, w in zip(got, want, strict=True):
         assert type(g) is torch.Tensor and g.dtype == w.dtype and torch.equal(g, w)
+
+
+# ====================================================================== swap_tensors
+
+
+def _swap_program() -> list[torch.Tensor]:
+    # tensors made by zeros/ones/full in the block, swapped; a module built in the block
+    # (LayerNorm fills its parameters with ones and zeros) converted with its parameters
+    # swapped for the converted ones, as torch.__future__'s switch asks of Module._apply
+    torch.manual_seed(0)
+    a, b = torch.zeros(4), torch.full((4,), 2.0)
+    torch.utils.swap_tensors(a, b)
+    norm = torch.nn.LayerNorm(4)
+    head = torch.nn.Linear(4, 2)
+    torch.nn.init.ones_(head.bias)
+    old_weight = norm.weight
+    norm.double()
+    head.double()
+    assert norm.weight is old_weight  # the same Parameter object, with a new TensorImpl
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = head(torch.tanh(norm(x * a.double() + b.double()))).square().sum()
+    out.backward()
+    return [a, b, out.detach(), x.grad, norm.weight.grad, head.bias.grad, head.weight]
+
+
+def test_swap_tensors_on_tensors_made_in_the_block(engine):
+    # dtr remembers plain tensors made by zeros/ones/full (a fill, on the native engine),
+    # which a recipe may make again instead of holding; a weak reference to such a tensor
+    # made torch.utils.swap_tensors refuse it.
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        want = _swap_program()
+        with dtr.enable(engine=engine, stress=True, cost_model="roofline") as s:
+            got = _swap_program()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    assert s.stats().remats > 0
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(dtr.materialize(g), w)
