@@ -14,8 +14,10 @@ array (or capsule) holds that tensor, whose pin lasts as long as it does, so the
 is never evicted under it and writes through it reach the tensor, as in eager (an array
 over the plain view ``dtr.materialize`` returns would not hold the pin: that lasts as
 long as the managed tensor pinned, and in ``t.detach().numpy()`` the detached one dies
-at once). ``data_ptr()``/``const_data_ptr()`` and ``share_memory_()`` pin too, so an
-address holds for the tensor's life, as in eager. Found by calling every
+at once). ``data_ptr()``/``const_data_ptr()``, ``share_memory_()`` and
+``untyped_storage()`` pin too, so an address holds for the tensor's life, as in eager;
+torch.multiprocessing's reductions reach the storage through ``untyped_storage()``, so a
+managed tensor sent to another process shares its pinned value, as in eager. Found by calling every
 ``torch.Tensor`` method on a managed tensor against eager (sixth session): the legacy
 constructors ``new()``/``new_tensor()`` take their backend from the dispatch keys
 (PrivateUse1: a crash, or a missing ``torch.privateuseone`` module), so a plain tensor

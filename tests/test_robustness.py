@@ -241,3 +241,46 @@ def test_swap_tensors_on_tensors_made_in_the_block(engine):
     assert s.stats().remats > 0
     for g, w in zip(got, want, strict=True):
         assert torch.equal(dtr.materialize(g), w)
+
+
+# ====================================================================== torch.multiprocessing
+
+
+def _child_reads(arg, q_in, q_out):
+    # (bytes back, not tensors: a tensor sent back lives in this process's shared memory,
+    # which goes when the process ends)
+    got = q_in.get(timeout=120)
+    q_out.put((bytes(arg.numpy()), bytes(got.numpy())))
+
+
+def test_managed_tensors_sent_to_another_process(engine):
+    # torch.multiprocessing's reductions move a tensor's storage to shared memory: on the
+    # native engine they read an evicted value (at Process start an error; from a Queue's
+    # feeder thread an error no one saw, and the receiver waited forever). The storage is
+    # the pinned value's, shared as in eager. A hang fails on the timeouts.
+    import queue
+
+    import torch.multiprocessing as mp
+
+    torch.manual_seed(0)
+    x = torch.randn(64, requires_grad=True)
+    want = [bytes((x * 2).detach().numpy()), bytes(torch.tanh(x * 2 + 1).detach().numpy())]
+    ctx = mp.get_context("spawn")
+    with dtr.enable(engine=engine, stress=True, cost_model="roofline") as s:
+        y = (x * 2).detach()  # managed (what it reads requires grad); sent without grad
+        z = torch.tanh(y + 1)
+        torch.sigmoid(z)  # y and z are evicted
+        assert s.stats().evictions >= 2
+        q_in, q_out = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=_child_reads, args=(y, q_in, q_out), daemon=True)
+        child.start()
+        try:
+            q_in.put(z)
+            got = q_out.get(timeout=180)
+        except queue.Empty:
+            pytest.fail("the child never received the tensors")
+        finally:
+            child.join(timeout=60)
+            if child.is_alive():
+                child.kill()
+    assert list(got) == want
