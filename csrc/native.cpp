@@ -21,7 +21,8 @@
 // its recipe, but a COO transpose is taken again from its source and torch.sparse.mm's
 // zeros is read as a managed copy: dtr/fresh.py, Made below). Refused with
 // dtr.UnsupportedError naming the op: in-place ops that replace a managed tensor's
-// storage (resize_, set_), a managed tensor mixed with a sparse one, tensors not on the
+// storage (resize_, set_; set_ also with a managed source, as the subclass engine
+// refuses it), a managed tensor mixed with a sparse one, tensors not on the
 // CPU. Gradients accumulated into a leaf's .grad are handed out plain, as by the default
 // engine. A budget that cannot be met raises dtr.BudgetError with the numbers. Before an
 // op runs under a budget, room is made for the bytes the last call with the same op and
@@ -291,10 +292,11 @@ c10::Storage empty_storage(size_t nbytes, c10::Device device) {
 }
 
 // dtr/fresh.py: plain tensors made in the block that a recipe can make again rather than
-// hold. Entries are keyed by the tensor's TensorImpl and lead with a weak reference to
-// it: that keeps the address from being reused by another tensor while the entry lives
-// (so an entry found by a live tensor's address is that tensor's), never the tensor's
-// memory. Entries whose tensor died are dropped once the table has doubled since the
+// hold. Entries are keyed by the tensor's TensorImpl and lead with a weak reference (a
+// transpose's to the tensor, which keeps the address from being reused by another tensor
+// while the entry lives, so an entry found by a live tensor's address is that tensor's;
+// a fill's to its storage once settled, see MadeByFill), never holding the tensor's
+// memory. Entries whose referent died are dropped once the table has doubled since the
 // last pruning (fresh.py's _Made).
 //
 // A new entry's versions are settled when the next op comes to the engine: the op that
@@ -312,7 +314,7 @@ struct Made {
   void add(const at::Tensor& t, Entry entry) {
     if (entries.size() >= prune_at) {
       for (auto it = entries.begin(); it != entries.end();)
-        it = it->second.ref.expired() ? entries.erase(it) : std::next(it);
+        it = it->second.expired() ? entries.erase(it) : std::next(it);
       prune_at = std::max(kPruneAt, 2 * entries.size());
     }
     entries.insert_or_assign(t.unsafeGetTensorImpl(), std::move(entry));
@@ -341,22 +343,40 @@ c10::weak_intrusive_ptr<c10::TensorImpl> weak(const at::Tensor& t) {
 }
 
 // A plain tensor filled whole with one value and untouched since (FreshFactories): the
-// factory call that makes that value again.
+// factory call that makes that value again. Once settled, the entry holds a weak
+// reference to the tensor's storage (whose address is then not reused), not to the
+// tensor: torch.utils.swap_tensors refuses a tensor that has one. (Until then it needs
+// the tensor's version counter, read through a weak reference to the tensor; holding the
+// counter itself would make the factory's Python binding copy the tensor.) A tensor found
+// at the entry's TensorImpl address holds the value if it covers that storage whole, with
+// the fill's sizes and dtype, at the settled version.
 struct MadeByFill {
-  c10::weak_intrusive_ptr<c10::TensorImpl> ref;
+  c10::weak_intrusive_ptr<c10::TensorImpl> unsettled;  // until settled
+  c10::weak_intrusive_ptr<c10::StorageImpl> ref;
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype;
   c10::OperatorHandle op;         // zeros or full
   std::vector<c10::IValue> args;  // no tensors
   int64_t version;                // before the fill's own bump, until settled
   bool settled = false;
 
+  bool expired() const { return ref.expired(); }
   bool settle() {
-    c10::intrusive_ptr<c10::TensorImpl> t = ref.lock();
+    c10::intrusive_ptr<c10::TensorImpl> t = unsettled.lock();
+    unsettled.reset();
     if (!t) return false;
     const int64_t now = t->version_counter().current_version();
     if (now != version && now != version + 1) return false;
     version = now;
     settled = true;
     return true;
+  }
+  bool holds_value_of(const at::Tensor& t) const {
+    c10::intrusive_ptr<c10::StorageImpl> storage = ref.lock();
+    return storage && t.has_storage() && t.storage().unsafeGetStorageImpl() == storage.get() &&
+           t.scalar_type() == dtype && t.sizes() == c10::IntArrayRef(sizes) &&
+           t.is_contiguous() && t.storage_offset() == 0 && t.nbytes() == storage->nbytes() &&
+           t._version() == version;
   }
 };
 
@@ -373,6 +393,8 @@ struct MadeByTranspose {
   int64_t version;                // its own counter's, until settled
   int64_t source_version;
   bool settled = false;
+
+  bool expired() const { return ref.expired(); }
 
   bool settle() {
     c10::intrusive_ptr<c10::TensorImpl> t = ref.lock();
@@ -586,14 +608,16 @@ struct Engine : std::enable_shared_from_this<Engine> {
     call.emplace_back(c10::kStrided);
     call.emplace_back(t.device());
     call.emplace_back();  // pin_memory
-    made_by_fill.add(t, {weak(t), args.size() > 1 ? full : zeros, std::move(call), t._version()});
+    made_by_fill.add(t, {weak(t), t.storage().getWeakStorageImpl(), t.sizes().vec(),
+                         t.scalar_type(), args.size() > 1 ? full : zeros, std::move(call),
+                         t._version()});
   }
   // The factory call that makes t's value again, if t was filled whole and nothing has
   // written it since; else null.
   const MadeByFill* fill_call_for(const at::Tensor& t) const {
     if (t.layout() != c10::kStrided || t.is_inference()) return nullptr;
     const MadeByFill* made = made_by_fill.find(t);
-    return made != nullptr && t._version() == made->version ? made : nullptr;
+    return made != nullptr && made->holds_value_of(t) ? made : nullptr;
   }
   // The output `out` of t/transpose.int, called with `args` on plain tensors in the block.
   void remember_transpose(const c10::OperatorHandle& op, std::vector<c10::IValue> args,
@@ -1089,6 +1113,9 @@ struct OpFacts {
   bool seeded = false;          // draws random numbers
   bool may_draw = false;        // not aten: may draw untagged, so the op is watched (drew)
   bool reshapes = false;        // changes its argument's shape or storage in place
+  // set_, resize_, resize_as_: refused whenever a managed tensor takes part, as a source
+  // too (a plain tensor set_ onto a managed value's storage would read it evicted)
+  bool replaces_storage = false;
   bool meta_only = false;       // reads only its tensors' metadata (empty_like, ...)
   bool bn_hidden_writes = false;
   bool fill = false;       // zero_, fill_.Scalar: how zeros/ones/full fill what they make
@@ -1102,6 +1129,9 @@ OpFacts make_facts(const c10::OperatorHandle& op) {
       "aten::empty_like",        "aten::zeros_like", "aten::ones_like",    "aten::full_like",
       "aten::rand_like",         "aten::randn_like", "aten::randint_like", "aten::new_empty",
       "aten::new_empty_strided", "aten::new_zeros",  "aten::new_ones",     "aten::new_full"};
+  // dtr/schema.py's _METADATA_INPLACE
+  static const std::unordered_set<std::string> kReplacesStorage = {
+      "aten::set_", "aten::resize_", "aten::resize_as_", "aten::resize_as_sparse_"};
   static const std::unordered_set<std::string> kBatchNorm = {
       "aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"};
   const auto& schema = op.schema();
@@ -1122,8 +1152,8 @@ OpFacts make_facts(const c10::OperatorHandle& op) {
   // (torch.library, TORCH_LIBRARY) need not, though its kernel may draw (dtr/schema.py's
   // may_draw)
   f.may_draw = !f.seeded && name.rfind("aten::", 0) != 0 && name.rfind("prims::", 0) != 0;
-  f.reshapes = op.hasTag(at::Tag::inplace_view) || name == "aten::resize_" ||
-               name == "aten::resize_as_" || name == "aten::set_";
+  f.replaces_storage = kReplacesStorage.count(name) > 0;
+  f.reshapes = op.hasTag(at::Tag::inplace_view) || f.replaces_storage;
   f.meta_only = kMetaOnly.count(name) > 0;
   f.bn_hidden_writes = kBatchNorm.count(name) > 0;
   const std::string& overload = schema.overload_name();
@@ -1303,7 +1333,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     stack->push_back(self);
     return;
   }
-  if (writes_managed && facts.reshapes)
+  if ((writes_managed && facts.reshapes) || (managed && facts.replaces_storage))
     throw Unsupported("dtr: " + py_name(schema) +
                       " replaces the storage of a managed tensor in place, which dtr does not "
                       "support; use the out-of-place op, or dtr.materialize() the tensor first");
@@ -2023,6 +2053,11 @@ void bind(py::module_& m) {
              return py::make_tuple(ops, names, backward, before, resident, evictions, remats);
            })
       .def("set_leaf_hook", [](Engine& e, py::function f) { e.leaf_hook = std::move(f); })
+      .def("settle_made",  // before torch.utils.swap_tensors (dtr/native_reads.py)
+           [](Engine& e) {
+             std::lock_guard<std::recursive_mutex> g(e.mu);
+             e.settle_made();
+           })
       .def(
           "export",
           [](Engine& e, const at::Tensor& t) {

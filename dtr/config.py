@@ -17,7 +17,7 @@ from . import engines as _engines
 from ._pycore import DEFAULT_HEURISTIC, HEURISTICS
 from .cost import COST_MODELS
 from .errors import ConfigError
-from .units import ACCEPTED, parse_bytes
+from .units import ACCEPTED, MAX_BYTES, parse_bytes
 
 ENV_BUDGET = "DTR_MEMORY_BUDGET"
 ENV_HEURISTIC = "DTR_HEURISTIC"
@@ -107,14 +107,7 @@ class DTRConfig:
         if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
             raise ConfigError(f"dtr: trace must be a file path, got {self.trace!r}")
         if self.trace is not None:
-            # Checked here, not when the session opens the file: bad input fails at
-            # enable() time, as a ConfigError.
-            folder = os.path.dirname(os.path.abspath(self.trace))
-            if not os.path.isdir(folder):
-                raise ConfigError(
-                    f"dtr: trace {self.trace!r} (option trace or {ENV_TRACE}): folder "
-                    f"{folder!r} does not exist; give a file path in an existing folder"
-                )
+            _check_trace_path(self.trace)
         if self.engine not in _engines.RUNNABLE:
             raise ConfigError(
                 f"dtr: engine must be 'native' or 'subclass' here, got {self.engine!r} "
@@ -133,8 +126,29 @@ class DTRConfig:
                 raise ConfigError(f"dtr: option {name} must be a bool, got {getattr(self, name)!r}")
         for name in ("seed", "min_evict_bytes", "search_sample", "timeline"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"dtr: option {name} must be an int >= 0, got {value!r}")
+            # the engines keep these in int64 (a larger one failed in C++ at entry)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_BYTES
+            ):
+                raise ConfigError(
+                    f"dtr: option {name} must be an int from 0 to {MAX_BYTES} (2**63 - 1), "
+                    f"got {value!r}"
+                )
+
+
+def _check_trace_path(trace: str) -> None:
+    """A trace path the session can open for writing, checked at enable() time (the
+    session opens the file only when it is entered)."""
+    where = f"dtr: trace {trace!r} (option trace or {ENV_TRACE})"
+    folder = os.path.dirname(os.path.abspath(trace))
+    if not os.path.isdir(folder):
+        raise ConfigError(
+            f"{where}: folder {folder!r} does not exist; give a file path in an existing folder"
+        )
+    if os.path.isdir(trace):
+        raise ConfigError(f"{where} is a folder; give a file path (such as run.jsonl) in it")
 
 
 OPTIONS = (

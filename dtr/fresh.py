@@ -37,8 +37,8 @@ _PRUNE_AT = 4096
 
 
 class _Made:
-    """Entries keyed by an address, each led by a weak reference to the tensor it is
-    about; entries whose tensor died are dropped when the table has doubled since."""
+    """Entries keyed by an address, each led by a weak reference to the object it is
+    about; entries whose object died are dropped when the table has doubled since."""
 
     def __init__(self) -> None:
         self._made: dict[int, tuple] = {}
@@ -52,23 +52,33 @@ class _Made:
 
 
 class FreshFactories(_Made):
-    """Factory outputs of this session, by storage, while they live and are unwritten."""
+    """Factory outputs of this session, by storage, while they live and are unwritten.
+
+    The weak reference is to the storage (its Python object lives as long as it does),
+    not to the tensor: torch.utils.swap_tensors refuses tensors that have one. A tensor
+    over that storage with the output's geometry and version holds its value (a view
+    shares its base's version counter, so a write through any view is seen)."""
 
     def remember(self, out, func, args: tuple, kwargs: dict) -> None:
         if not isinstance(out, torch.Tensor) or out.layout is not torch.strided:
             return
-        key = out.untyped_storage()._cdata
-        self._add(key, (weakref.ref(out), func, args, kwargs, out._version))
+        storage = out.untyped_storage()
+        geometry = (out.shape, out.stride(), out.storage_offset(), out.dtype)
+        entry = (weakref.ref(storage), func, args, kwargs, geometry, out._version)
+        self._add(storage._cdata, entry)
 
     def call_for(self, t: torch.Tensor):
         """(func, args, kwargs) that makes t's value again, if t is a factory's output
         that nothing has written since; else None. (A storage address reused by another
-        tensor fails the identity check.)"""
-        entry = self._made.get(t.untyped_storage()._cdata)
+        storage fails the identity check.)"""
+        storage = t.untyped_storage()
+        entry = self._made.get(storage._cdata)
         if entry is None:
             return None
-        ref, func, args, kwargs, version = entry
-        if ref() is not t or t._version != version:
+        ref, func, args, kwargs, geometry, version = entry
+        if ref() is not storage or t._version != version:
+            return None
+        if (t.shape, t.stride(), t.storage_offset(), t.dtype) != geometry:
             return None
         return func, args, kwargs
 

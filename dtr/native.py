@@ -132,45 +132,59 @@ class NativeSession:
         # the session's peaks before the last take_step_peak() (Runtime.peak_carry)
         self._peak_carry = self._max_carry = 0
         self._error_mark = 0  # errors.raised_count() at entry
+        self._cache_attached = False
 
     def __enter__(self) -> NativeSession:
         _install()
-        from . import _C, session
+        from . import session
 
-        global _open
         if self._engine is not None:
             raise DTRError(
                 "dtr: a session can be entered only once; call dtr.enable() again for a new one"
             )
-        with session._active_lock:  # dtr.enable() checks _open under it
-            if session._active is not None:
-                raise DTRError("dtr: dtr.enable() is active; the two engines do not nest")
-            if _open is not None:
-                raise DTRError(
-                    "dtr: a native session is already open (one per process, on any "
-                    "thread); end it first, or change its budget with session.set_budget()"
-                )
-            cfg = self.config
-            self._error_mark = errors.raised_count()
-            engine = _C.NativeEngine(cfg.heuristic, self.budget, cfg.seed, cfg.cost_model)
-            engine.set_leaf_hook(self._hook_leaf)
-            engine.stress = cfg.stress
-            engine.check_each_op = cfg.check
-            engine.search_sample = cfg.search_sample
-            engine.min_evict_bytes = cfg.min_evict_bytes
-            engine.timeline_limit = cfg.timeline
-            if cfg.trace is not None:
-                engine.start_trace(self._trace_file(), cfg.cost_model)
-            engine.activate()
-            _open = self
+        try:
+            with session._active_lock:  # dtr.enable() checks _open under it
+                if session._active is not None:
+                    raise DTRError("dtr: dtr.enable() is active; the two engines do not nest")
+                if _open is not None:
+                    raise DTRError(
+                        "dtr: a native session is already open (one per process, on any "
+                        "thread); end it first, or change its budget with session.set_budget()"
+                    )
+                self._error_mark = errors.raised_count()
+                self._open_engine()
+        except BaseException:
+            # An interrupt (Ctrl-C, a signal handler's exception) can land between any two
+            # steps, the lock's release included: what entry installed is undone, or every
+            # later dtr.enable() in the process would be refused as nested. (No engine: the
+            # checks refused, and what is installed is another session's.)
+            if self._engine is not None:
+                self._close((None, None, None))
+            raise
+        return self
+
+    def _open_engine(self) -> None:
+        """Entry's steps, each recorded on self as it is made, for _close to undo."""
+        global _open
+        from . import _C
+
+        cfg = self.config
+        self._engine = engine = _C.NativeEngine(
+            cfg.heuristic, self.budget, cfg.seed, cfg.cost_model
+        )
+        _open = self
+        engine.set_leaf_hook(self._hook_leaf)
+        engine.stress = cfg.stress
+        engine.check_each_op = cfg.check
+        engine.search_sample = cfg.search_sample
+        engine.min_evict_bytes = cfg.min_evict_bytes
+        engine.timeline_limit = cfg.timeline
+        if cfg.trace is not None:
+            engine.start_trace(self._trace_file(), cfg.cost_model)
+        engine.activate()
         if self.cache_bytes:
-            try:
-                _C.cpu_cache_attach(self.cache_bytes)
-            except BaseException:
-                engine.close()
-                _open = None
-                raise
-        self._engine = engine
+            self._cache_attached = True  # first: detaching a cache never attached is harmless
+            _C.cpu_cache_attach(self.cache_bytes)
         self._steps = StepTracker(self)
         # a step ends at every optimizer.step() (dtr.enable's): see end_step()
         self._hooks.append(
@@ -182,11 +196,11 @@ class NativeSession:
         # memory directly (an evicted one is an error) and allocate what they save for
         # backward as plain tensors dtr cannot evict. The stance is process-wide.
         self._stance = torch.compiler.set_stance("force_eager")
-        native_reads.install()  # tolist(), numpy(), __dlpack__() of managed tensors
+        native_reads.install(lambda: self._engine)  # tolist(), numpy(), ... of managed tensors
         dlpack.install()  # torch.to_dlpack of a managed tensor, for the process's life
+        # made before it is entered: exiting a guard never entered changes nothing
         self._guard = torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1)
         self._guard.__enter__()
-        return self
 
     def __exit__(self, *exc) -> None:
         self._close(exc)
@@ -196,28 +210,38 @@ class NativeSession:
 
     def _close(self, exc) -> None:
         global _open
+        # Also undoes an entry that stopped part way: each step is undone if it was made.
         try:
             try:
-                self._guard.__exit__(*exc)
+                if self._guard is not None:
+                    self._guard.__exit__(*exc)
             finally:
                 native_reads.remove()
-                self._stance.__exit__(None, None, None)  # the stance before the block
+                if self._stance is not None:
+                    self._stance.__exit__(None, None, None)  # the stance before the block
         finally:
             try:
-                self._engine.close()
+                if self._engine is not None:
+                    self._engine.close()
             finally:
-                _open = None
+                if _open is self:
+                    _open = None
                 for h in self._hooks:
                     h.remove()
                 self._hooks.clear()
                 self._leaf_hooks.remove_all()
-                if self.cache_bytes:
+                if self._cache_attached:
                     from . import _C
 
+                    self._cache_attached = False
                     self.cache_stats = _C.cpu_cache_stats()
                     _C.cpu_cache_detach()
                 trace = self.config.trace
-                if trace is not None and self._trace_file() != trace:
+                if (
+                    trace is not None
+                    and self._trace_file() != trace
+                    and os.path.exists(self._trace_file())
+                ):
                     _compress(self._trace_file(), trace)
 
     @property

@@ -14,8 +14,10 @@ array (or capsule) holds that tensor, whose pin lasts as long as it does, so the
 is never evicted under it and writes through it reach the tensor, as in eager (an array
 over the plain view ``dtr.materialize`` returns would not hold the pin: that lasts as
 long as the managed tensor pinned, and in ``t.detach().numpy()`` the detached one dies
-at once). ``data_ptr()``/``const_data_ptr()`` and ``share_memory_()`` pin too, so an
-address holds for the tensor's life, as in eager. Found by calling every
+at once). ``data_ptr()``/``const_data_ptr()``, ``share_memory_()`` and
+``untyped_storage()`` pin too, so an address holds for the tensor's life, as in eager;
+torch.multiprocessing's reductions reach the storage through ``untyped_storage()``, so a
+managed tensor sent to another process shares its pinned value, as in eager. Found by calling every
 ``torch.Tensor`` method on a managed tensor against eager (sixth session): the legacy
 constructors ``new()``/``new_tensor()`` take their backend from the dispatch keys
 (PrivateUse1: a crash, or a missing ``torch.privateuseone`` module), so a plain tensor
@@ -30,15 +32,19 @@ C++ do not come here.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from .tensor import jagged_new_code
+
 _MISSING = object()
-_saved: dict[str, object] = {}
+_saved: dict[tuple[object, str], object] = {}
 
 
 def _replacements(_C) -> dict:
     tolist, numpy, data_ptr = torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.data_ptr
-    is_shared = torch.Tensor.is_shared
+    is_shared, untyped_storage = torch.Tensor.is_shared, torch.Tensor.untyped_storage
     reduce_ex, deepcopy = torch.Tensor.__reduce_ex__, torch.Tensor.__deepcopy__
 
     def native_tolist(self):
@@ -66,6 +72,14 @@ def _replacements(_C) -> dict:
             return original(self, *args, **kwargs)
 
         return run
+
+    def native_untyped_storage(self):
+        # The value's storage, pinned as data_ptr() pins it: the caller may read or share
+        # its memory. A nested jagged tensor's constructor reads only the size (for every
+        # op on one): it gets the storage unpinned, or no budget below the peak is met.
+        if _C.is_native(self) and sys._getframe(1).f_code is not jagged_new_code():
+            _C.native_materialize(self)
+        return untyped_storage(self)
 
     def write_back(method: str):
         # apply_/map_/map2_ run a Python function over the memory itself: a write the
@@ -140,6 +154,7 @@ def _replacements(_C) -> dict:
         "new_tensor": legacy_constructor("new_tensor"),
         "is_shared": native_is_shared,
         "share_memory_": pinning("share_memory_"),
+        "untyped_storage": native_untyped_storage,
         "tolist": native_tolist,
         "numpy": native_numpy,
         "__dlpack__": pinning("__dlpack__"),
@@ -148,20 +163,41 @@ def _replacements(_C) -> dict:
     }
 
 
-def install() -> None:
-    """Replace the methods (at session enter)."""
+def _swap_tensors(session_engine):
+    original = torch.utils.swap_tensors
+
+    def swap_tensors(t1, t2):
+        # The engine remembers a tensor that zero_()/fill_() filled whole by a weak
+        # reference to it until the next op settles the entry (csrc/native.cpp,
+        # MadeByFill), and swap_tensors refuses a tensor that has one: settled first.
+        engine = session_engine()
+        if engine is not None and engine.open:
+            engine.settle_made()
+        return original(t1, t2)
+
+    return swap_tensors
+
+
+def install(session_engine=lambda: None) -> None:
+    """Replace the methods (at session enter); session_engine() is the open session's
+    engine, or None."""
     from . import _C
 
-    for name, method in _replacements(_C).items():
-        _saved[name] = torch.Tensor.__dict__.get(name, _MISSING)
-        setattr(torch.Tensor, name, method)
+    targets = [(torch.Tensor, name, method) for name, method in _replacements(_C).items()]
+    # Module._apply calls it as torch.utils.swap_tensors (conversions with
+    # torch.__future__.set_swap_module_params_on_conversion(True))
+    targets.append((torch.utils, "swap_tensors", _swap_tensors(session_engine)))
+    for owner, name, replacement in targets:
+        _saved[owner, name] = vars(owner).get(name, _MISSING)
+        setattr(owner, name, replacement)
 
 
 def remove() -> None:
     """Put PyTorch's methods back (at session exit)."""
-    for name, saved in _saved.items():
+    for (owner, name), saved in _saved.items():
         if saved is _MISSING:
-            delattr(torch.Tensor, name)
+            if name in vars(owner):  # (install() may have stopped before setting it)
+                delattr(owner, name)
         else:
-            setattr(torch.Tensor, name, saved)
+            setattr(owner, name, saved)
     _saved.clear()

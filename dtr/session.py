@@ -82,6 +82,33 @@ except (ImportError, AttributeError, TypeError):  # another torch: always the sa
 _handle_without_dynamo = torch._disable_dynamo(_handle, recursive=True)
 
 
+def _leave_mode(mode: _Mode) -> None:
+    """Undo ``mode.__enter__()``, which an interrupt may have stopped part way."""
+    depth = torch._C._len_torch_dispatch_stack()
+    if depth and torch._C._get_dispatch_stack_at(depth - 1) is mode:
+        mode.__exit__(None, None, None)
+        return
+    # Not pushed: TorchDispatchMode.__enter__ saves each module flag of
+    # torch.utils._python_dispatch in a list on the mode before it changes the flag.
+    from torch.utils import _python_dispatch as pd
+
+    for saved, flag in (
+        ("old_dispatch_mode_flags", "_is_in_torch_dispatch_mode"),
+        ("old_non_infra_dispatch_mode_flags", "_is_in_non_infra_torch_dispatch_mode"),
+        (
+            "old_without_ignore_compile_internals_dispatch_mode_flags",
+            "_is_in_any_mode_without_ignore_compile_internals",
+        ),
+    ):
+        values = mode.__dict__.get(saved)
+        if values and hasattr(pd, flag):
+            setattr(pd, flag, values.pop())
+    if hasattr(pd, "set_is_in_mode_without_ignore_compile_internals"):
+        pd.set_is_in_mode_without_ignore_compile_internals(
+            getattr(pd, "_is_in_any_mode_without_ignore_compile_internals", False)
+        )
+
+
 class Session:
     """A block of code under dtr. Returned by :func:`dtr.enable`; use it as a context
     manager, and read :meth:`stats` during or after the block."""
@@ -98,43 +125,64 @@ class Session:
 
     def __enter__(self) -> Session:
         global _active
-        with _active_lock:
-            if _active is not None:
-                if _active._thread is not threading.current_thread():
-                    raise DTRError(
-                        "dtr: dtr.enable() is already active on thread "
-                        f"{_active._thread.name!r}; concurrent sessions are not supported "
-                        "(one per process). Use that session's tensors from this thread "
-                        "(dtr serves them under its lock), or enter a session once it ended."
-                    )
-                raise DTRError(
-                    "dtr: dtr.enable() is already active; nested or concurrent sessions are "
-                    "not supported. End the outer block first, or change its budget with "
-                    "session.set_budget()."
-                )
-            if self._final is not None:
-                raise DTRError(
-                    "dtr: a session can be entered only once; call dtr.enable() again for a new one"
-                )
-            native = sys.modules.get("dtr.native")  # imported by whoever opened one
-            if native is not None and native._open is not None:
-                raise DTRError("dtr: dtr.native.enable() is active; the two engines do not nest")
-            direct_reads.install()
-            dlpack.install()  # torch.to_dlpack of a managed tensor
-            self._error_mark = errors.raised_count()
-            self._runtime = Runtime(self.config)
-            try:
+        try:
+            with _active_lock:
+                self._check_can_enter()
+                direct_reads.install()
+                dlpack.install()  # torch.to_dlpack of a managed tensor
+                self._error_mark = errors.raised_count()
+                self._runtime = Runtime(self.config)
                 self._mode = _Mode(self._runtime)
                 self._mode.__enter__()
-            except BaseException:
-                # The runtime and its C++ fast path refer to each other, a cycle the
-                # garbage collector cannot see: only close() breaks it.
-                self._runtime.close()
-                self._runtime = self._mode = None
-                raise
-            self._thread = threading.current_thread()
-            _active = self
+                self._thread = threading.current_thread()
+                _active = self
+        except BaseException:
+            # An interrupt (Ctrl-C, a signal handler's exception) can land between any two
+            # steps, the lock's release included: a session left active would refuse every
+            # later dtr.enable(), and a mode left on this thread's stack would send every
+            # later op to a runtime no block owns.
+            self._abort_entry()
+            raise
         return self
+
+    def _check_can_enter(self) -> None:
+        if _active is not None:
+            if _active._thread is not threading.current_thread():
+                raise DTRError(
+                    "dtr: dtr.enable() is already active on thread "
+                    f"{_active._thread.name!r}; concurrent sessions are not supported "
+                    "(one per process). Use that session's tensors from this thread "
+                    "(dtr serves them under its lock), or enter a session once it ended."
+                )
+            raise DTRError(
+                "dtr: dtr.enable() is already active; nested or concurrent sessions are "
+                "not supported. End the outer block first, or change its budget with "
+                "session.set_budget()."
+            )
+        if self._final is not None:
+            raise DTRError(
+                "dtr: a session can be entered only once; call dtr.enable() again for a new one"
+            )
+        native = sys.modules.get("dtr.native")  # imported by whoever opened one
+        if native is not None and native._open is not None:
+            raise DTRError("dtr: dtr.native.enable() is active; the two engines do not nest")
+
+    def _abort_entry(self) -> None:
+        """Undo what __enter__ made before it stopped (nothing if its checks refused)."""
+        global _active
+        try:
+            if self._mode is not None:
+                _leave_mode(self._mode)
+        finally:
+            if self._mode is not None:
+                self._mode.__dict__.pop("__torch_dispatch__", None)  # holds the fast path
+            # The runtime and its C++ fast path refer to each other, a cycle the garbage
+            # collector cannot see: only close() breaks it.
+            if self._runtime is not None:
+                self._runtime.close()
+            self._runtime = self._mode = None
+            if _active is self:
+                _active = None
 
     def __exit__(self, exc_type, exc, tb) -> None:
         global _active

@@ -139,7 +139,7 @@ class CheckpointTensor(torch.Tensor):
         # pins made every jagged tensor's values unevictable. It gets a meta storage of
         # the value's size instead, while the block is open.
         ref = self._dtr_ref
-        if sys._getframe(1).f_code is _jagged_new_code() and ref.runtime.is_open:
+        if sys._getframe(1).f_code is jagged_new_code() and ref.runtime.is_open:
             nbytes = ref.runtime.core.pool_bytes(ref.node.tid)
             return torch.UntypedStorage(nbytes, device="meta")
         return _plain(self, export=True).untyped_storage()
@@ -156,6 +156,24 @@ class CheckpointTensor(torch.Tensor):
 
     def map2_(self, x, y, callable):
         return _write_back(self, "map2_", x, y, callable)
+
+    # Python's number protocol: torch.tensor([loss_a, loss_b]) reads each element through
+    # it with dtr's mode excluded, where PyTorch's own methods read the wrapper's memory
+    # (it has none). The value answers instead.
+    def __float__(self):
+        return _number(self, "__float__")
+
+    def __int__(self):
+        return _number(self, "__int__")
+
+    def __index__(self):
+        return _number(self, "__index__")
+
+    def __bool__(self):
+        return _number(self, "__bool__")
+
+    def __complex__(self):
+        return _number(self, "__complex__")
 
     def __repr__(self, *, tensor_contents=None):
         text = repr(_plain(self))
@@ -202,8 +220,15 @@ def _write_back(t: CheckpointTensor, method: str, *args) -> CheckpointTensor:
     return t.copy_(value)
 
 
+def _number(t: CheckpointTensor, method: str):
+    value = _plain(t)
+    if t.requires_grad:  # PyTorch's warning about converting a tensor that requires grad
+        value = value.detach().requires_grad_(True)
+    return getattr(value, method)()
+
+
 @functools.cache
-def _jagged_new_code():
+def jagged_new_code():
     """The code of torch's NestedTensor.__new__ (jagged layout), or None."""
     try:
         from torch.nested._internal.nested_tensor import NestedTensor

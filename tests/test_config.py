@@ -122,6 +122,42 @@ def test_bad_option_values(options):
         dtr.enable(**options)
 
 
+INT_OPTIONS = ("seed", "min_evict_bytes", "search_sample", "timeline")
+
+
+@pytest.mark.parametrize("name", INT_OPTIONS)
+@pytest.mark.parametrize("value", [2**63, 2**64 + 1, -1, 1.0, "7"])
+def test_int_options_out_of_range_are_refused_at_enable(name, value):
+    # The engines keep them in int64: a larger one failed in C++ when the block was entered.
+    with pytest.raises(dtr.ConfigError, match=rf"^dtr: option {name} must be an int from 0 to"):
+        dtr.enable(**{name: value})
+
+
+@pytest.mark.parametrize("engine", ["subclass", "native"])
+def test_int_options_end_at_int64(engine):
+    # One past int64 is refused by enable(); int64's largest runs the block.
+    if engine == "native":
+        pytest.importorskip("dtr._C", reason="the native engine is C++")
+    for name in INT_OPTIONS:
+        with pytest.raises(dtr.ConfigError, match=f"option {name} must be an int"):
+            dtr.enable(engine=engine, **{name: 2**63})
+    with pytest.raises(dtr.ConfigError, match="option seed must be an int"):
+        dtr.enable(engine=engine, seed=True)  # (timeline=True is its documented default)
+    largest = {name: 2**63 - 1 for name in INT_OPTIONS}
+    with dtr.enable(engine=engine, **largest) as session:
+        (torch.ones(2, requires_grad=True) * 2).sum().backward()
+    assert session.stats().ops > 0
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_trace_path_that_is_a_folder_is_refused_at_enable(monkeypatch, tmp_path, how):
+    options = {"trace": tmp_path} if how == "option" else {}
+    if how == "env":
+        monkeypatch.setenv("DTR_TRACE", str(tmp_path))
+    with pytest.raises(dtr.ConfigError, match=r"option trace or DTR_TRACE\) is a folder"):
+        dtr.enable(**options)
+
+
 def test_env_flags(monkeypatch):
     monkeypatch.setenv("DTR_STRESS", "1")
     monkeypatch.setenv("DTR_COST_MODEL", "roofline")
