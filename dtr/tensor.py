@@ -190,6 +190,43 @@ class CheckpointTensor(torch.Tensor):
         return _plain(self)
 
 
+def own_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A tensor of its own (not a view) over value's storage, with value's geometry: a
+    kernel that resizes it leaves value as it was."""
+    t = value.new_empty(0).set_(
+        value.untyped_storage(), value.storage_offset(), value.size(), value.stride()
+    )
+    if value.is_conj():
+        torch._C._set_conj(t, True)
+    if value.is_neg():
+        torch._C._set_neg(t, True)
+    return t
+
+
+def take_geometry(t: CheckpointTensor, value: torch.Tensor) -> None:
+    """The wrapper t takes value's sizes, strides and offset (an out= op resized the value
+    in its storage), as eager's out tensor does; its version counter is left as the op
+    left it."""
+    size, stride, offset = value.size(), value.stride(), value.storage_offset()
+    if (t.size(), t.stride(), t.storage_offset()) == (size, stride, offset):
+        return
+    # a storage with no memory, of the size value's geometry needs (the wrapper's own is
+    # of the old size, which set_ would refuse)
+    room = torch.Tensor._make_wrapper_subclass(
+        CheckpointTensor,
+        size,
+        strides=stride,
+        storage_offset=offset,
+        dtype=t.dtype,
+        device=t.device,
+    )
+    storage = torch._C.TensorBase.untyped_storage(room)
+    version = t._version
+    with torch._C._DisableTorchDispatch(), torch.no_grad():
+        torch._C.TensorBase.set_(t, storage, offset, size, stride)
+    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+
+
 def _write_back(t: CheckpointTensor, method: str, *args) -> CheckpointTensor:
     if t.requires_grad:  # PyTorch's check, which the plain copy would not make
         raise RuntimeError(
