@@ -1808,11 +1808,12 @@ const std::unordered_map<std::string, std::vector<size_t>>& value_args() {
 
 // A managed tensor's value as a plain tensor of its own (the program reads it, as the trace's
 // READ: locked, recomputed if evicted, unlocked; nothing pinned).
-at::Tensor value_copy(const at::Tensor& t) {
+at::Tensor value_copy(const at::Tensor& t, bool whole_storage = false) {
   NativeImpl* impl = as_native(t);
   if (impl == nullptr) return t;
   // the copy is a plain tensor: made below the session's key (recomputation is not)
   auto plain_copy = [&] {
+    if (whole_storage) return copy_storage(plain_view(t));  // (below the session itself)
     c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::PrivateUse1);
     return plain_view(t).clone();
   };
@@ -2118,6 +2119,16 @@ void bind(py::module_& m) {
       [](const at::Tensor& t) {
         py::gil_scoped_release nogil;
         return value_copy(t);
+      },
+      py::arg("tensor"));
+  // A copy of a native tensor's whole storage (recomputed if evicted, a READ in the trace,
+  // nothing pinned), with the tensor's geometry: copy.deepcopy and torch.save build every
+  // tensor of that storage over one copy, as eager does (dtr/copying.py)
+  m.def(
+      "native_read_storage",
+      [](const at::Tensor& t) {
+        py::gil_scoped_release nogil;
+        return value_copy(t, /*whole_storage=*/true);
       },
       py::arg("tensor"));
   // dtr.materialize() of a native tensor: its value as a plain tensor (pinned while its
