@@ -2131,6 +2131,23 @@ void bind(py::module_& m) {
         return value_copy(t, /*whole_storage=*/true);
       },
       py::arg("tensor"));
+  // `p.data = ...` on a plain tensor (dtr/data_setter.py): what reads its old value is
+  // materialized and pinned first, as before an op writes it
+  m.def(
+      "native_plain_written",
+      [](const at::Tensor& t) {
+        std::shared_ptr<Engine> eng = active();
+        if (!eng || as_native(t) != nullptr) return;
+        py::gil_scoped_release nogil;
+        with_python_errors([&] {
+          std::lock_guard<std::recursive_mutex> g(eng->mu);
+          if (!eng->open) return;
+          eng->flush();
+          eng->writes_to_plain(t);
+          eng->drain();
+        });
+      },
+      py::arg("tensor"));
   // dtr.materialize() of a native tensor: its value as a plain tensor (pinned while its
   // session is open, as Engine.export), whichever session it belongs to
   m.def(

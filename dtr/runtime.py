@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import cost as _cost
+from . import data_setter
 from . import device as _device
 from . import oom, rng
 from . import recipe as _recipe
@@ -953,6 +954,26 @@ class Runtime(Driver):
         grad = param.grad
         if isinstance(grad, CheckpointTensor) and grad._dtr_ref.runtime is self:
             param.grad = self.export(grad._dtr_ref)
+
+    def data_hooks(self) -> data_setter.Hooks:
+        """What `t.data = new` does in this session (dtr/data_setter.py)."""
+        return data_setter.Hooks(
+            is_managed=lambda t: isinstance(t, CheckpointTensor),
+            plain_value=lambda t: materialize_ref(t._dtr_ref, export=True),
+            plain_written=self.plain_replaced,
+        )
+
+    def plain_replaced(self, t: torch.Tensor) -> None:
+        """A plain tensor is about to get another storage (`t.data = new`): recipes that
+        read its old value are invalidated, as before an op writes it."""
+        with self.lock, internal():
+            if not self.is_open:
+                return
+            if self.pending_refs:
+                self._flush()
+            for p in parts(t):
+                self._writes_to_plain_leaf(p, self.storages.get(storage_key(p), -1))
+            self.drain()
 
     def export(self, ref: Ref) -> torch.Tensor:
         """The plain value of a managed tensor, handed out to live on outside dtr. The

@@ -9,7 +9,7 @@ import types
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import direct_reads, dlpack, errors
+from . import data_setter, direct_reads, dlpack, errors
 from .config import DTRConfig, resolve
 from .errors import ConfigError, DTRError
 from .runtime import Runtime
@@ -134,6 +134,7 @@ class Session:
                 raise
             self._thread = threading.current_thread()
             _active = self
+            data_setter.install(self._runtime.data_hooks())
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -154,6 +155,7 @@ class Session:
         finally:
             # Even if the above failed (a KeyboardInterrupt can land anywhere in it), the
             # session must end: else every later dtr.enable() is refused as nested.
+            data_setter.remove()
             self._runtime = None
             self._mode = None
             with _active_lock:
