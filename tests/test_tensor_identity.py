@@ -238,7 +238,7 @@ def test_hand_written_sgd_through_data_trains_as_eager(engine, setting):
 
 
 def _replace_weight(w, v, x, replace: str):
-    h = _hidden(w, x).detach()  # its lineage reads w's old value
+    h = (x @ w).tanh().detach()  # its lineage reads w's old value
     # held values that do not read w: under the budget they push h out
     others = [(x @ v * i).tanh().detach() for i in range(12)]
     if replace == "data":
@@ -248,6 +248,7 @@ def _replace_weight(w, v, x, replace: str):
         module.weight = w
         module.double()  # Module.double() swaps each parameter's .data
     y = (x.to(w.dtype) @ w).tanh()
+    others += [(x @ v * i).sin().detach() for i in range(12)]  # h is evicted by now
     return [h.sum(), y.sum().detach(), *[o.sum() for o in others]]
 
 
