@@ -31,6 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("touch", &dtr::Core::touch)
       .def("unlock", &dtr::Core::unlock)
       .def("pin", &dtr::Core::pin)
+      .def("resized", &dtr::Core::resized)
       .def("drain", &dtr::Core::drain)
       .def("make_room", &dtr::Core::make_room, py::arg("extra") = 0)
       .def("evict_all", &dtr::Core::evict_all)

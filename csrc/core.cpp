@@ -333,6 +333,14 @@ void Core::unlock(int64_t tid) {
   maybe_eager_evict(pid);
 }
 
+void Core::resized(int64_t tid, int64_t nbytes) {
+  PoolRec& p = pools_[T(tid).pool];
+  if (!p.resident) fail("resized tensor " + std::to_string(tid) + ", which is not resident");
+  graph_changed();
+  add_resident(nbytes - p.nbytes);
+  p.nbytes = nbytes;
+}
+
 void Core::pin(int64_t tid) {
   graph_changed();
   if (tid < 0 || tid >= static_cast<int64_t>(tensors_.size()) || !tensors_[tid].used) return;

@@ -96,6 +96,8 @@ class Core {
   void lock(int64_t tid);
   void unlock(int64_t tid);
   void pin(int64_t tid);
+  // tid's storage holds nbytes now: an out= op resized it in place (its pool is resident)
+  void resized(int64_t tid, int64_t nbytes);
   std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> drain();
   // drain() for a caller with no handles to update (the replay loop): the same recycling
   // of ids, without building the three lists.

@@ -70,6 +70,29 @@ std::vector<int64_t> FastPath::rerun(int64_t rid, const std::vector<int64_t>& st
   return nbytes;
 }
 
+// A warning handler that drops what it is given.
+struct DropWarnings : c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
+
+// dtr/recipe.py's Quiet, around the replay of an out= op (it would warn again of a
+// resize), and a C++ handler that drops warnings too: in backward, autograd's worker
+// thread keeps warnings for its caller rather than giving them to Python's filters.
+struct Quiet {
+  py::object quiet;
+  DropWarnings drop;
+  std::optional<c10::WarningUtils::WarningHandlerGuard> guard;
+  explicit Quiet(const py::object& facts) {
+    if (!facts.attr("out_form").cast<bool>()) return;
+    guard.emplace(&drop);
+    quiet = py::module_::import("dtr.recipe").attr("Quiet")();
+    quiet.attr("__enter__")();
+  }
+  ~Quiet() {
+    if (quiet) call_keeping_error(quiet.ptr(), intern("close").ptr(), nullptr);
+  }
+};
+
 // Recipe.replay (dtr/recipe.py): run the op again on its inputs' current values (a
 // stand-in's meta tensor, a copy of an argument it writes unless its output is computed
 // in place, the RNG state it first drew from); the values of its outputs, in core
@@ -166,6 +189,7 @@ py::object FastPath::replay(const py::object& rec, const std::vector<int64_t>& s
   py::object captured = get(rec, s_rng_);
   py::object out;
   {
+    Quiet quiet(get(rec, s_facts_));
     Replaying rng(captured);  // rng.replaying(rec.rng)
     at::AutoGradMode grad(get(rec, s_grad_).cast<bool>());
     std::optional<c10::impl::ExcludeDispatchKeyGuard> no_bump;

@@ -243,6 +243,12 @@ struct Recipe {
   // the copy, so that the next one reads the same value
   std::vector<std::pair<size_t, int64_t>> scratch;
   bool grad = false;
+  bool out_form = false;  // it writes an out= argument, which it may resize (OpFacts)
+};
+
+// A warning handler that drops what it is given.
+struct DropWarnings : c10::WarningHandler {
+  void process(const c10::Warning&) override {}
 };
 
 // Below the session: without its PrivateUse1 key (kernels see plain tensors only) and
@@ -283,9 +289,11 @@ at::Tensor copy_storage(const at::Tensor& t) {
   return over(t, bytes.clone().storage());
 }
 
-// A storage of nbytes holding nothing, that reports kEvictedMsg when read.
+// A storage of nbytes holding nothing, that reports kEvictedMsg when read. Resizable, as
+// the storage a kernel makes is: an out= op recomputed in it may resize it.
 c10::Storage empty_storage(size_t nbytes, c10::Device device) {
-  c10::Storage s(c10::Storage::use_byte_size_t(), nbytes, at::DataPtr(nullptr, device));
+  c10::Storage s(c10::Storage::use_byte_size_t(), nbytes, at::DataPtr(nullptr, device),
+                 c10::GetAllocator(device.type()), /*resizable=*/true);
   s.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
       std::string(kEvictedMsg));
   return s;
@@ -793,10 +801,14 @@ struct Engine : std::enable_shared_from_this<Engine> {
     const std::vector<int64_t> stolen = core.steals(rid);
     std::vector<at::Tensor> filled(rec.slots.size());
     for (size_t q = 0; q < rec.slots.size(); ++q) filled[q] = values.at(rec.slots[q].tid);
+    const bool out_form = rec.out_form;
     for (size_t k = 0; k < rec.outs.size(); ++k) {
       const int64_t q = rec.outs[k].slot;
       if (q < 0) continue;
-      if (!contains(stolen, static_cast<int64_t>(k))) filled[q] = copy_storage(filled[q]);
+      if (!contains(stolen, static_cast<int64_t>(k)))
+        filled[q] = copy_storage(filled[q]);
+      else if (out_form)  // the kernel may resize it: the old value keeps its geometry
+        filled[q] = over(filled[q], filled[q].storage());
     }
     torch::jit::Stack stack(rec.args.begin(), rec.args.end());
     for (size_t q = 0; q < rec.slots.size(); ++q)
@@ -810,6 +822,11 @@ struct Engine : std::enable_shared_from_this<Engine> {
       set_item(stack[arg], item, copy_storage(get_item(stack[arg], item)));
     auto start = std::chrono::steady_clock::now();
     steal_broken = !stolen.empty();
+    // a replayed out= op would warn again that it resizes its out tensor (dtr/recipe.py,
+    // Quiet)
+    DropWarnings quiet;
+    std::optional<c10::WarningUtils::WarningHandlerGuard> quieted;
+    if (rec.out_form) quieted.emplace(&quiet);
     if (rec.gen) {
       at::Generator& gen = *rec.gen;
       at::Tensor now;
@@ -850,6 +867,8 @@ struct Engine : std::enable_shared_from_this<Engine> {
       at::DataPtr data = src->set_data_ptr(at::DataPtr(nullptr, src->device()));
       dst->clear_data_ptr_access_error_msg_();
       dst->set_data_ptr_noswap(std::move(data));
+      if (o.slot >= 0 && out_form)  // a stolen storage an out= op resized: the old size back
+        src->set_nbytes(static_cast<size_t>(core.pool_bytes(rec.slots[o.slot].tid)));
     }
     core.remat_done(rid, nbytes, stolen);
     steal_broken = false;
@@ -864,8 +883,9 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // The old value of a tensor that just got a new version (Core::version moved it, with
   // the other members of its pool, to a fresh evicted pool): the storage is the new
   // version's now, so the old members get one of their own, empty until recomputed.
+  // (The core's size of it: an out= op may have resized the storage it shared.)
   void detach_old_version(int64_t old) {
-    c10::Storage fresh = empty_storage(values.at(old).storage().nbytes(), values[old].device());
+    c10::Storage fresh = empty_storage(core.pool_bytes(old), values.at(old).device());
     for (int64_t m : core.members(old))
       if (m < static_cast<int64_t>(values.size()) && values[m].defined())
         values[m] = over(values[m], fresh);
@@ -973,9 +993,15 @@ struct NativeImpl final : public c10::TensorImpl {
     eng_->dropped(std::move(cell_));
     cell_ = y.cell_;
     eng_->retain(*cell_);
-    sizes_and_strides_.set_sizes(y.sizes());
-    sizes_and_strides_.set_strides(y.strides());
-    storage_offset_ = y.storage_offset();
+    take_geometry(y);
+  }
+
+  // An out= op resized this tensor's value in its storage (the same one): the tensor
+  // takes the value's sizes, strides and offset, as eager's out tensor does.
+  void take_geometry(const c10::TensorImpl& v) {
+    sizes_and_strides_.set_sizes(v.sizes());
+    sizes_and_strides_.set_strides(v.strides());
+    storage_offset_ = v.storage_offset();
     refresh_numel();
     refresh_contiguous();
   }
@@ -1099,6 +1125,44 @@ bool drew(at::Generator& gen, const at::Tensor& before) {
                     why + "); use dtr.enable(engine=\"subclass\") for this program");
 }
 
+// An out= op that would resize a managed tensor another one shares (a detach() or .data of
+// it, held: the same cell): eager's alias keeps its old geometry over the resized storage,
+// which a shared handle cannot give (dtr/runtime.py, _refuse_shared_resize, says the same).
+// What the kernel would do is asked of meta tensors first, only in that case; the op is
+// refused before anything is written.
+void refuse_shared_resize(const c10::OperatorHandle& op, const torch::jit::Stack& stack,
+                          size_t begin, const std::vector<Leaf>& leaves,
+                          const std::function<bool(size_t)>& is_written) {
+  std::vector<size_t> shared;
+  for (size_t k = 0; k < leaves.size(); ++k)
+    if (leaves[k].native && is_written(leaves[k].arg) && leaves[k].native->cell_.use_count() > 1)
+      shared.push_back(k);
+  if (shared.empty()) return;
+  bool resizes = true;  // unless the meta kernel says otherwise
+  try {
+    torch::jit::Stack meta(stack.begin() + static_cast<std::ptrdiff_t>(begin), stack.end());
+    std::vector<at::Tensor> metas(leaves.size());
+    for (size_t k = 0; k < leaves.size(); ++k) {
+      const at::Tensor& t = leaves[k].tensor;
+      if (!t.defined()) continue;
+      metas[k] = at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
+      set_item(meta[leaves[k].arg], leaves[k].item, metas[k]);
+    }
+    DropWarnings quiet;  // (the op's own run warns of a resize, if it comes to run)
+    c10::WarningUtils::WarningHandlerGuard quieted(&quiet);
+    Engine::call_below(op, &meta, false);
+    resizes = false;
+    for (size_t k : shared)
+      if (metas[k].sizes() != leaves[k].tensor.sizes()) resizes = true;
+  } catch (const std::exception&) {  // no meta kernel: it may resize
+  }
+  if (resizes)
+    throw Unsupported("dtr: " + py_name(op.schema()) +
+                      " would resize its out= tensor, which another tensor shares (a detach() "
+                      "or .data of it is held); pass an out tensor of the result's shape, or use "
+                      "the out-of-place form");
+}
+
 // In-place view ops (x.squeeze_(), x.t_(), ...; dtr/schema.py's _VIEW_INPLACE) and the view
 // op each stands for (squeeze_.dim: squeeze.dim), by py_name; given by dtr.native at install.
 std::unordered_map<std::string, c10::OperatorName> g_view_forms;
@@ -1116,6 +1180,7 @@ struct OpFacts {
   // set_, resize_, resize_as_: refused whenever a managed tensor takes part, as a source
   // too (a plain tensor set_ onto a managed value's storage would read it evicted)
   bool replaces_storage = false;
+  bool out_form = false;        // writes an out= argument, which it may resize
   bool meta_only = false;       // reads only its tensors' metadata (empty_like, ...)
   bool bn_hidden_writes = false;
   bool fill = false;       // zero_, fill_.Scalar: how zeros/ones/full fill what they make
@@ -1138,7 +1203,10 @@ OpFacts make_facts(const c10::OperatorHandle& op) {
   OpFacts f;
   for (size_t i = 0; i < schema.arguments().size(); ++i) {
     const auto* alias = schema.arguments()[i].alias_info();
-    if (alias != nullptr && alias->isWrite()) f.written.push_back(i);
+    if (alias != nullptr && alias->isWrite()) {
+      f.written.push_back(i);
+      if (schema.arguments()[i].kwarg_only()) f.out_form = true;
+    }
   }
   f.view = !schema.returns().empty();
   for (const auto& r : schema.returns()) {
@@ -1337,6 +1405,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     throw Unsupported("dtr: " + py_name(schema) +
                       " replaces the storage of a managed tensor in place, which dtr does not "
                       "support; use the out-of-place op, or dtr.materialize() the tensor first");
+  if (writes_managed && facts.out_form) refuse_shared_resize(op, *stack, begin, leaves, is_written);
   if (!facts.meta_only) adopt_filled(e, leaves, stack, begin, is_written);
   Core& core = e.core;
   std::vector<int64_t> fresh, locked, held;
@@ -1480,6 +1549,13 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       std::lock_guard<std::mutex> lock(gen->mutex());
       rng_state = gen->get_state();
     }
+    // An out= op may resize what it writes: a versioned argument's kernel gets a tensor of
+    // its own over the storage, so that the old value keeps its geometry.
+    if (facts.out_form)
+      for (size_t k : versioned) {
+        passed[k] = over(passed[k], passed[k].storage());
+        set_item((*stack)[begin + leaves[k].arg], leaves[k].item, passed[k]);
+      }
     std::vector<c10::IValue> args;  // the recipe's (recorded ops only)
     if (record) args.assign(stack->begin() + begin, stack->end());
     std::vector<c10::IValue> priced;  // the roofline's view of the arguments
@@ -1577,6 +1653,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       Recipe rec;
       rec.op = op;
       rec.grad = at::GradMode::is_enabled();
+      rec.out_form = facts.out_form;
       std::vector<int64_t> slot_of(leaves.size(), -1);
       for (size_t k = 0; k < leaves.size(); ++k) {
         if (snap_tid[k] >= 0) {
@@ -1651,6 +1728,14 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       }
     }
     if (e.trace && kinds.empty()) e.trace->call(schema.name(), {}, {}, cost, {}, {}, {}, fresh);
+    if (facts.out_form)  // the written tensors take what the kernel made of their values
+      for (size_t k = 0; k < leaves.size(); ++k) {
+        NativeImpl* impl = leaves[k].native;
+        if (impl == nullptr || !is_written(leaves[k].arg) || !passed[k].defined()) continue;
+        impl->take_geometry(*passed[k].unsafeGetTensorImpl());
+        const auto nbytes = static_cast<int64_t>(passed[k].storage().nbytes());
+        if (nbytes != core.pool_bytes(impl->tid())) core.resized(impl->tid(), nbytes);
+      }
     finish();
     e.drain();
     // the op boundary (Runtime._settle): its fresh outputs protected while choosing
@@ -1789,11 +1874,12 @@ const std::unordered_map<std::string, std::vector<size_t>>& value_args() {
 
 // A managed tensor's value as a plain tensor of its own (the program reads it, as the trace's
 // READ: locked, recomputed if evicted, unlocked; nothing pinned).
-at::Tensor value_copy(const at::Tensor& t) {
+at::Tensor value_copy(const at::Tensor& t, bool whole_storage = false) {
   NativeImpl* impl = as_native(t);
   if (impl == nullptr) return t;
   // the copy is a plain tensor: made below the session's key (recomputation is not)
   auto plain_copy = [&] {
+    if (whole_storage) return copy_storage(plain_view(t));  // (below the session itself)
     c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::PrivateUse1);
     return plain_view(t).clone();
   };
@@ -2109,6 +2195,33 @@ void bind(py::module_& m) {
       [](const at::Tensor& t) {
         py::gil_scoped_release nogil;
         return value_copy(t);
+      },
+      py::arg("tensor"));
+  // A copy of a native tensor's whole storage (recomputed if evicted, a READ in the trace,
+  // nothing pinned), with the tensor's geometry: copy.deepcopy and torch.save build every
+  // tensor of that storage over one copy, as eager does (dtr/copying.py)
+  m.def(
+      "native_read_storage",
+      [](const at::Tensor& t) {
+        py::gil_scoped_release nogil;
+        return value_copy(t, /*whole_storage=*/true);
+      },
+      py::arg("tensor"));
+  // `p.data = ...` on a plain tensor (dtr/data_setter.py): what reads its old value is
+  // materialized and pinned first, as before an op writes it
+  m.def(
+      "native_plain_written",
+      [](const at::Tensor& t) {
+        std::shared_ptr<Engine> eng = active();
+        if (!eng || as_native(t) != nullptr) return;
+        py::gil_scoped_release nogil;
+        with_python_errors([&] {
+          std::lock_guard<std::recursive_mutex> g(eng->mu);
+          if (!eng->open) return;
+          eng->flush();
+          eng->writes_to_plain(t);
+          eng->drain();
+        });
       },
       py::arg("tensor"));
   // dtr.materialize() of a native tensor: its value as a plain tensor (pinned while its

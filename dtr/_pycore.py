@@ -388,6 +388,14 @@ class PyCore:
             self._maybe_drop(tid)
         self._maybe_eager_evict(pid)
 
+    def resized(self, tid: int, nbytes: int) -> None:
+        """tid's storage holds nbytes now: an out= op resized it in place."""
+        p = self._P[self._T[tid].pool]
+        if not p.resident:
+            raise CoreError(f"dtr: resized tensor {tid}, which is not resident")
+        self._add_resident(int(nbytes) - p.nbytes)
+        p.nbytes = int(nbytes)
+
     def pin(self, tid: int) -> None:
         """Cut a tensor's lineage: it becomes unrecomputable, so its pool is never
         evicted (Invariant 3); ancestors nobody else needs are dropped. A tensor the

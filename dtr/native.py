@@ -38,7 +38,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import config as _config
-from . import dlpack, errors, native_reads
+from . import data_setter, dlpack, errors, native_reads
 from . import schema as _schema
 from .errors import ConfigError, DTRError
 from .grads import hand_out
@@ -197,6 +197,7 @@ class NativeSession:
         # backward as plain tensors dtr cannot evict. The stance is process-wide.
         self._stance = torch.compiler.set_stance("force_eager")
         native_reads.install(lambda: self._engine)  # tolist(), numpy(), ... of managed tensors
+        data_setter.install(_data_hooks())  # `t.data = new`
         dlpack.install()  # torch.to_dlpack of a managed tensor, for the process's life
         # made before it is entered: exiting a guard never entered changes nothing
         self._guard = torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1)
@@ -217,6 +218,7 @@ class NativeSession:
                     self._guard.__exit__(*exc)
             finally:
                 native_reads.remove()
+                data_setter.remove()
                 if self._stance is not None:
                     self._stance.__exit__(None, None, None)  # the stance before the block
         finally:
@@ -389,6 +391,16 @@ def enable(
     env = {k: v for k, v in os.environ.items() if k not in ignored}
     config = _config.resolve(budget, heuristic, env=env, **options)
     return NativeSession(dataclasses.replace(config, engine="native"), cache)
+
+
+def _data_hooks() -> data_setter.Hooks:
+    from . import _C
+
+    return data_setter.Hooks(
+        is_managed=_C.is_native,
+        plain_value=_C.native_materialize,
+        plain_written=_C.native_plain_written,
+    )
 
 
 def is_managed(t: torch.Tensor) -> bool:

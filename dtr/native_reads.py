@@ -25,8 +25,9 @@ of the same dtype and device answers them; ``is_shared()`` of an evicted value a
 (it is ``False``: a shared value is pinned); ``apply_``/``map_``/``map2_`` loop over
 the memory (a write the engine did not see, lost at the next recomputation), so they
 run on a copy that ``copy_`` writes back, recorded; ``__reduce_ex__`` (``torch.save``,
-pickle) and ``__deepcopy__`` read a copy of the value, as ``tolist()``, where they
-failed on an evicted one. Other tensors go to PyTorch's methods unchanged; calls from
+pickle) and ``__deepcopy__`` read a copy of the value's storage, where they failed on an
+evicted one, shared by the views of that storage as eager's copies are
+(dtr/copying.py). Other tensors go to PyTorch's methods unchanged; calls from
 C++ do not come here.
 """
 
@@ -36,6 +37,7 @@ import sys
 
 import torch
 
+from . import copying
 from .tensor import jagged_new_code
 
 _MISSING = object()
@@ -114,25 +116,20 @@ def _replacements(_C) -> dict:
 
         return run
 
-    def plain_copy(self) -> torch.Tensor:
-        # A copy of the value (recomputed if evicted), a leaf that requires grad as self
-        # is one: what the subclass engine's wrapper reduces and deep-copies to.
-        value = _C.native_read(self)
-        if self.requires_grad and self.is_leaf:
-            value.requires_grad_(True)
-        return value
-
+    # torch.save, pickle and deepcopy read the memory directly (an evicted value failed):
+    # they get plain tensors over a copy of the storage, shared by its views as in eager
+    # (dtr/copying.py), as the subclass engine's wrapper reduces and deep-copies to.
     def native_reduce_ex(self, protocol):
-        # torch.save, pickle: they read the memory directly (an evicted value failed).
         if not _C.is_native(self):
             return reduce_ex(self, protocol)
-        return plain_copy(self).__reduce_ex__(protocol)
+        key = self.untyped_storage()._cdata
+        return copying.reduced(self, key, _C.native_read_storage).__reduce_ex__(protocol)
 
     def native_deepcopy(self, memo):
         if not _C.is_native(self):
             return deepcopy(self, memo)
-        memo[id(self)] = value = plain_copy(self)
-        return value
+        key = self.untyped_storage()._cdata
+        return copying.deepcopy(self, memo, key, _C.native_read_storage, deepcopy)
 
     def native_is_shared(self):
         # Reading an evicted value's storage aborted the process; an evicted value was

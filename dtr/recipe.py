@@ -9,6 +9,7 @@ constant; never a wrapper, so a recipe does not keep a program's handle alive.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -111,6 +112,7 @@ class Recipe:
             rng.replaying(self.rng),
             torch.set_grad_enabled(self.grad),
             sparse_kernels() if sparse else contextlib.nullcontext(),
+            Quiet() if self.facts.out_form else contextlib.nullcontext(),
         ):
             try:
                 out = self.func(*args, **kwargs)
@@ -127,6 +129,24 @@ class Recipe:
             else:
                 produced.append(rets[i] if j < 0 else rets[i][j])
         return produced
+
+
+class Quiet:
+    """Where an out= op replays: it would warn again that it resizes its out tensor, where
+    eager warned once, when the program ran it (and under warnings-as-errors the
+    recomputation would raise). csrc/fastpath_remat.cpp enters it too."""
+
+    def __enter__(self):
+        self._caught = warnings.catch_warnings()
+        self._caught.__enter__()
+        warnings.simplefilter("ignore")
+        return self
+
+    def __exit__(self, *exc):
+        return self._caught.__exit__(*exc)
+
+    def close(self) -> None:
+        self.__exit__(None, None, None)
 
 
 def sparse_kernels():

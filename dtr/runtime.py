@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import threading
 import time
 import types
+import warnings
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import cost as _cost
+from . import data_setter
 from . import device as _device
 from . import oom, rng
 from . import recipe as _recipe
@@ -40,7 +43,7 @@ from .reserve import OutputSizes
 from .schema import OpFacts, op_facts
 from .steps import StepStats, StepTracker
 from .storage_keys import SPARSE_LAYOUTS, freed, parts, storage_key
-from .tensor import CheckpointTensor, Node, Ref, _serials
+from .tensor import CheckpointTensor, Node, Ref, _serials, own_tensor, take_geometry
 from .timeline import Recorder
 from .trace import TraceWriter
 from .units import format_bytes
@@ -191,7 +194,10 @@ class Runtime(Driver):
         managed = not special and not facts.writes
         # An op that returns a fresh tensor besides what it writes needs a snapshot of
         # the written value for its recipe (_prepare_writes): handle()'s.
-        writes_managed = not special and bool(facts.writes) and not facts.fresh_returns
+        # An out= op may resize what it writes, which the wrapper must follow (handle()'s).
+        writes_managed = (
+            not special and bool(facts.writes) and not facts.fresh_returns and not facts.out_form
+        )
         if (
             facts.collective
             or facts.hidden_writes is not None
@@ -281,6 +287,8 @@ class Runtime(Driver):
                     "which dtr does not support; use the out-of-place op, or "
                     "dtr.materialize() the tensor first"
                 )
+            if facts.out_form:
+                _refuse_shared_resize(func, facts, call)
             return self._run(func, facts, call, writes)
 
     # ================================================================== managed op
@@ -336,6 +344,11 @@ class Runtime(Driver):
                 core.make_room(reserve)
                 self.drain()
             self._prepare_writes(op)
+            if facts.out_form:
+                # The kernel may resize what it writes: a new version's gets a tensor of its
+                # own over the storage, so that the old value keeps its geometry.
+                for k in op.versioned:
+                    op.vals[k] = own_tensor(op.vals[k])
             captured = None
             if facts.seeded or facts.may_draw:
                 gen = call.argument(facts, facts.generator) if facts.generator >= 0 else None
@@ -361,6 +374,8 @@ class Runtime(Driver):
                 op.cost = _cost.roofline(func, real_args, real_kwargs, out)
             result, protect = self._record(op, out)
             recorded = True
+            if facts.out_form:
+                self._take_resized(op)
         finally:
             for tid in locked:
                 core.unlock(tid)
@@ -377,6 +392,21 @@ class Runtime(Driver):
                 self.drain()
         self._settle(protect, func)
         return result
+
+    def _take_resized(self, op: _Op) -> None:
+        """After an out= op: each managed tensor it wrote takes what the kernel made of its
+        value (torch.cat(xs, out=c) resizes c as eager does), and the core counts the
+        storage's new size."""
+        for k in op.written:
+            t = op.call.leaves[k]
+            if not isinstance(t, CheckpointTensor):
+                continue
+            value = op.vals[k]
+            take_geometry(t, value)
+            tid = t._dtr_ref.node.tid
+            nbytes = value.untyped_storage().nbytes()
+            if nbytes != self.core.pool_bytes(tid):
+                self.core.resized(tid, nbytes)
 
     def _run_collective(self, func, facts: OpFacts, call: Call):
         """dist.all_reduce(t) and kin on managed tensors (a loss averaged for logging).
@@ -933,6 +963,26 @@ class Runtime(Driver):
         if isinstance(grad, CheckpointTensor) and grad._dtr_ref.runtime is self:
             param.grad = hand_out(grad, lambda g: self.export(g._dtr_ref))
 
+    def data_hooks(self) -> data_setter.Hooks:
+        """What `t.data = new` does in this session (dtr/data_setter.py)."""
+        return data_setter.Hooks(
+            is_managed=lambda t: isinstance(t, CheckpointTensor),
+            plain_value=lambda t: materialize_ref(t._dtr_ref, export=True),
+            plain_written=self.plain_replaced,
+        )
+
+    def plain_replaced(self, t: torch.Tensor) -> None:
+        """A plain tensor is about to get another storage (`t.data = new`): recipes that
+        read its old value are invalidated, as before an op writes it."""
+        with self.lock, internal():
+            if not self.is_open:
+                return
+            if self.pending_refs:
+                self._flush()
+            for p in parts(t):
+                self._writes_to_plain_leaf(p, self.storages.get(storage_key(p), -1))
+            self.drain()
+
     def export(self, ref: Ref) -> torch.Tensor:
         """The plain value of a managed tensor, handed out to live on outside dtr. The
         pool is pinned: a storage the program can write to behind dtr's back must not be
@@ -1127,6 +1177,45 @@ def _wants_management(call: Call) -> bool:
         if t.requires_grad:
             return True
     return False
+
+
+def _refuse_shared_resize(func, facts: OpFacts, call: Call) -> None:
+    """An out= op that would resize a managed tensor another wrapper shares (a detach()
+    or .data of it, held): eager's alias keeps its old geometry over the resized storage,
+    which a shared handle cannot give. What the kernel would do is asked of meta tensors
+    first, only in that case; the op is refused before anything is written."""
+    shared = [
+        k
+        for k, t in enumerate(call.leaves)
+        if call.positions[k] in facts.writes
+        and isinstance(t, CheckpointTensor)
+        and sys.getrefcount(t._dtr_ref) > 2  # (t's own and getrefcount's argument)
+    ]
+    if not shared:
+        return
+    metas = [
+        torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+        for t in call.leaves
+    ]
+    try:
+        args, kwargs = substitute(call.args, call.kwargs, call.where, metas)
+        with warnings.catch_warnings():  # (the op's own run warns of a resize, if it runs)
+            warnings.simplefilter("ignore")
+            func(*args, **kwargs)
+        resizes = any(metas[k].shape != call.leaves[k].shape for k in shared)
+    except Exception:  # no meta kernel: it may resize
+        resizes = True
+    if resizes:
+        raise UnsupportedError(shared_resize_message(facts.name))
+
+
+def shared_resize_message(name: str) -> str:
+    # (csrc/native.cpp says the same)
+    return (
+        f"dtr: {name} would resize its out= tensor, which another tensor shares (a "
+        "detach() or .data of it is held); pass an out tensor of the result's shape, or "
+        "use the out-of-place form"
+    )
 
 
 def _identity(o, vals, written) -> int:

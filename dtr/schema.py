@@ -34,6 +34,7 @@ class OpFacts:
     hidden_writes: Callable[[list], tuple[int, ...]] | None
     plain_returns: frozenset[int]  # returns left plain tensors (see _PLAIN_RETURNS)
     collective: bool  # a torch.distributed collective: never recorded (see COLLECTIVE_NAMESPACES)
+    out_form: bool  # writes an out= argument, which it may resize (torch.cat(xs, out=c))
 
 
 def _bn_writes(vals: list) -> tuple[int, ...]:
@@ -194,4 +195,5 @@ def _compute(func) -> OpFacts:
         hidden_writes=_HIDDEN_WRITES.get(schema.name),
         plain_returns=_PLAIN_RETURNS.get(schema.name, frozenset()),
         collective=namespace in COLLECTIVE_NAMESPACES,
+        out_form=any(schema.arguments[i].kwarg_only for i in writes),
     )

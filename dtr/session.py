@@ -9,7 +9,7 @@ import types
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import direct_reads, dlpack, errors
+from . import data_setter, direct_reads, dlpack, errors
 from .config import DTRConfig, resolve
 from .errors import ConfigError, DTRError
 from .runtime import Runtime
@@ -136,6 +136,7 @@ class Session:
                 self._mode.__enter__()
                 self._thread = threading.current_thread()
                 _active = self
+                data_setter.install(self._runtime.data_hooks())
         except BaseException:
             # An interrupt (Ctrl-C, a signal handler's exception) can land between any two
             # steps, the lock's release included: a session left active would refuse every
@@ -171,6 +172,8 @@ class Session:
         """Undo what __enter__ made before it stopped (nothing if its checks refused)."""
         global _active
         try:
+            if self._runtime is not None:  # (past the checks: no other session's to remove)
+                data_setter.remove()  # (harmless when it was not installed)
             if self._mode is not None:
                 _leave_mode(self._mode)
         finally:
@@ -202,6 +205,7 @@ class Session:
         finally:
             # Even if the above failed (a KeyboardInterrupt can land anywhere in it), the
             # session must end: else every later dtr.enable() is refused as nested.
+            data_setter.remove()
             self._runtime = None
             self._mode = None
             with _active_lock:

@@ -22,6 +22,8 @@ import sys
 
 import torch
 
+from . import copying
+
 _serials = itertools.count()
 
 
@@ -189,23 +191,56 @@ class CheckpointTensor(torch.Tensor):
             return self.item().__format__(spec)
         return repr(self) if not spec else _plain(self).__format__(spec)
 
+    # torch.save / pickle / deepcopy see plain tensors (DESIGN.md 1), views of one storage
+    # over one copy of it, as eager's (dtr/copying.py)
     def __reduce_ex__(self, protocol):
-        # torch.save / pickle / deepcopy see a plain tensor (DESIGN.md 1).
-        value = _plain(self).detach()
-        if self.requires_grad and self.is_leaf:
-            value.requires_grad_(True)
-        return value.__reduce_ex__(protocol)
+        return copying.reduced(self, _storage_key(self), _whole).__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo):
-        copy = _plain(self).clone()
-        if self.requires_grad and self.is_leaf:
-            copy.requires_grad_(True)
-        memo[id(self)] = copy
-        return copy
+        return copying.deepcopy(
+            self, memo, _storage_key(self), _whole, torch.Tensor.__deepcopy__
+        )
 
     def decheckpoint(self) -> torch.Tensor:
         """The plain tensor behind this wrapper (see :func:`dtr.materialize`)."""
         return _plain(self)
+
+
+def own_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A tensor of its own (not a view) over value's storage, with value's geometry: a
+    kernel that resizes it leaves value as it was."""
+    t = value.new_empty(0).set_(
+        value.untyped_storage(), value.storage_offset(), value.size(), value.stride()
+    )
+    if value.is_conj():
+        torch._C._set_conj(t, True)
+    if value.is_neg():
+        torch._C._set_neg(t, True)
+    return t
+
+
+def take_geometry(t: CheckpointTensor, value: torch.Tensor) -> None:
+    """The wrapper t takes value's sizes, strides and offset (an out= op resized the value
+    in its storage), as eager's out tensor does; its version counter is left as the op
+    left it."""
+    size, stride, offset = value.size(), value.stride(), value.storage_offset()
+    if (t.size(), t.stride(), t.storage_offset()) == (size, stride, offset):
+        return
+    # a storage with no memory, of the size value's geometry needs (the wrapper's own is
+    # of the old size, which set_ would refuse)
+    room = torch.Tensor._make_wrapper_subclass(
+        CheckpointTensor,
+        size,
+        strides=stride,
+        storage_offset=offset,
+        dtype=t.dtype,
+        device=t.device,
+    )
+    storage = torch._C.TensorBase.untyped_storage(room)
+    version = t._version
+    with torch._C._DisableTorchDispatch(), torch.no_grad():
+        torch._C.TensorBase.set_(t, storage, offset, size, stride)
+    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
 
 
 def _write_back(t: CheckpointTensor, method: str, *args) -> CheckpointTensor:
@@ -235,6 +270,25 @@ def jagged_new_code():
     except ImportError:  # a torch without it
         return None
     return getattr(NestedTensor.__new__, "__code__", None)
+
+
+def _storage_key(t: CheckpointTensor):
+    """Names t's storage for as long as t lives (dtr/copying.py): its pool in the block
+    (values move to new storages when recomputed), its value's storage after it."""
+    ref = t._dtr_ref
+    rt = ref.runtime
+    with rt.lock:
+        if rt.is_open:
+            return ("dtr", rt.core.pool_of(ref.node.tid))
+    return _plain(t).untyped_storage()._cdata
+
+
+def _whole(t: CheckpointTensor) -> torch.Tensor:
+    """A plain tensor with t's geometry over a copy of its value's whole storage."""
+    value = _plain(t)
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        value.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride()
+    )
 
 
 def _plain(t: CheckpointTensor, export: bool = False) -> torch.Tensor:

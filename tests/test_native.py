@@ -1020,8 +1020,9 @@ def test_tensors_used_from_other_threads():
 @pytest.mark.parametrize("change", ["other-thread-write", "data", "half", "storage-freed"])
 def test_a_plain_tensor_changed_behind_the_engine_is_refused_on_recompute(change):
     """A recipe reads a parameter; then, with no op the engine sees, the parameter is
-    written on another thread, gets another storage (`p.data = ...`, Module.half()) or
-    has its storage freed (what FSDP2 does when it reshards). Recomputing would read
+    written on another thread, gets another storage where the engine cannot see it
+    (PyTorch's own `.data` setter, as C++ code reaches it; `p.data = ...` in Python is
+    served, tests/test_tensor_identity.py) or has its storage freed (what FSDP2 does when it reshards). Recomputing would read
     the new values (or freed memory) where the program read the old ones: refused with
     the subclass engine's dtr.UnsupportedError (tests/test_faults.py, test_ddp.py)."""
     torch.manual_seed(0)
@@ -1046,9 +1047,9 @@ def test_a_plain_tensor_changed_behind_the_engine_is_refused_on_recompute(change
                 t.start()
                 t.join()
             elif change == "data":
-                w.data = w.data * 0.5
+                torch._C.TensorBase.data.__set__(w, w.detach() * 0.5)
             elif change == "half":
-                w.data = w.data.half()  # what Module.half() does to each parameter
+                torch._C.TensorBase.data.__set__(w, w.detach().half())
             else:
                 w.untyped_storage().resize_(0)
             y.sum().item()
