@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <deque>
 #include <exception>
@@ -422,6 +423,10 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // evicted for the other members' sake; the memory is the program's from then on.
   std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> handed_out;
   size_t prune_handed_out_at = 64;
+  // The latest snapshot of each volatile storage, while a recipe holds it (weak: the table
+  // never keeps a copy alive): dtr/volatile.py's Snapshots.
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> snapshots;
+  size_t prune_snapshots_at = 64;
   // Plain tensors made in the block that a recipe makes again rather than hold
   // (dtr/fresh.py): torch.sparse.mm's zeros, autograd's transposed copy of a COO adj.
   Made<MadeByFill> made_by_fill;
@@ -554,6 +559,34 @@ struct Engine : std::enable_shared_from_this<Engine> {
     const_storage[tid] = t.storage();
     fresh.push_back(tid);
     return tid;
+  }
+
+  // ---- volatile memory (dtr/volatile.py): what can change with no op the engine sees, a
+  // managed value handed out by address or a plain tensor's foreign memory (NumPy's)
+  bool is_volatile(const at::Tensor& t, bool managed) const {
+    const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+    return escaped.count(s) > 0 || (!managed && !s->resizable());
+  }
+  // A tensor with t's metadata over a copy of t's storage as it is now; the latest copy
+  // of that storage when it still holds the same bytes.
+  at::Tensor snapshot(const at::Tensor& t) {
+    const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+    auto it = snapshots.find(s);
+    if (it != snapshots.end()) {
+      c10::intrusive_ptr<c10::StorageImpl> kept = it->second.lock();
+      const size_t n = s->nbytes();
+      if (kept && kept->nbytes() == n && (n == 0 || std::memcmp(kept->data(), s->data(), n) == 0))
+        return over(t, c10::Storage(std::move(kept)));
+    }
+    at::Tensor snap = copy_storage(t);
+    if (snapshots.size() >= 2 * prune_snapshots_at) {
+      for (auto h = snapshots.begin(); h != snapshots.end();)
+        h = h->second.expired() ? snapshots.erase(h) : std::next(h);
+      prune_snapshots_at = std::max<size_t>(64, snapshots.size());
+    }
+    snapshots.insert_or_assign(
+        s, c10::weak_intrusive_ptr<c10::StorageImpl>(snap.storage().getWeakStorageImpl()));
+    return snap;
   }
 
   // ---- plain tensors a recipe can make again (dtr/fresh.py)
@@ -878,6 +911,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
     escaped.clear();
     escaped_storage.clear();
     handed_out.clear();
+    snapshots.clear();
     made_by_fill.clear();
     made_by_transpose.clear();
     hooked.clear();
@@ -986,8 +1020,20 @@ at::Tensor export_value(Engine& e, const at::Tensor& t) {
   e.flush();
   const int64_t tid = impl->tid();
   if (e.trace) e.trace->exported(tid);
-  e.make_resident(tid);
-  e.core.pin(tid);
+  // The memory can be written from now on with no op the engine sees (a NumPy array,
+  // ctypes): what read it so far is materialized and pinned while it still holds what they
+  // read, and the value itself is pinned, its lineage cut (Runtime.export). Later readers
+  // read snapshots of it (Engine::snapshot).
+  e.core.lock(tid);
+  try {
+    if (!e.core.is_materialized(tid)) e.rematerialize(tid);
+    e.invalidate(e.core.members(tid));
+  } catch (...) {
+    e.core.unlock(tid);
+    e.drain();
+    throw;
+  }
+  e.core.unlock(tid);
   const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   e.escaped[s] = tid;
   if (e.handed_out.size() >= 2 * e.prune_handed_out_at) {  // gradients: some per step
@@ -1406,6 +1452,17 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
         snap[k] = copy_storage(passed[k]);
         snap_tid[k] = e.constant(snap[k], fresh);
       }
+    // ... and a snapshot of an argument in volatile memory (Runtime._snapshot_volatile). A
+    // view's outputs share the argument's pool or stay plain, and are never rebuilt from it.
+    if (record && !facts.view && !facts.meta_only)
+      for (size_t k = 0; k < leaves.size(); ++k) {
+        const at::Tensor& t = passed[k];
+        if (snap_tid[k] >= 0 || !t.defined() || t.layout() != c10::kStrided ||
+            is_written(leaves[k].arg) || !e.is_volatile(t, leaves[k].native != nullptr))
+          continue;
+        snap[k] = e.snapshot(t);
+        snap_tid[k] = e.constant(snap[k], fresh);
+      }
     // A random op replays from its generator's state before it ran (Invariant 1); the
     // saved state is memory its recipe holds, counted as a constant.
     std::optional<at::Generator> gen;
@@ -1517,7 +1574,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
           inputs.push_back(snap_tid[k]);
           rec.plain.emplace_back(snap[k]);
           set_item(args[leaves[k].arg], leaves[k].item, snap[k]);
-          rec.scratch.emplace_back(leaves[k].arg, leaves[k].item);
+          if (is_written(leaves[k].arg)) rec.scratch.emplace_back(leaves[k].arg, leaves[k].item);
         } else if (leaves[k].native && tids[k] >= 0) {
           inputs.push_back(tids[k]);
           slot_of[k] = static_cast<int64_t>(rec.slots.size());

@@ -14,11 +14,11 @@ array (or capsule) holds that tensor, whose pin lasts as long as it does, so the
 is never evicted under it and writes through it reach the tensor, as in eager (an array
 over the plain view ``dtr.materialize`` returns would not hold the pin: that lasts as
 long as the managed tensor pinned, and in ``t.detach().numpy()`` the detached one dies
-at once). ``data_ptr()``/``const_data_ptr()`` and ``share_memory_()`` pin too, so an
-address holds for the tensor's life, as in eager. Found by calling every
-``torch.Tensor`` method on a managed tensor against eager (sixth session): the legacy
-constructors ``new()``/``new_tensor()`` take their backend from the dispatch keys
-(PrivateUse1: a crash, or a missing ``torch.privateuseone`` module), so a plain tensor
+at once). ``data_ptr()``/``const_data_ptr()``, ``untyped_storage()`` and
+``share_memory_()`` pin too, so an address holds for the tensor's life, as in eager.
+Found by calling every ``torch.Tensor`` method on a managed tensor against eager (sixth
+session): the legacy constructors ``new()``/``new_tensor()`` take their backend from the
+dispatch keys (PrivateUse1: a crash, or a missing ``torch.privateuseone`` module), so a plain tensor
 of the same dtype and device answers them; ``is_shared()`` of an evicted value aborted
 (it is ``False``: a shared value is pinned); ``apply_``/``map_``/``map2_`` loop over
 the memory (a write the engine did not see, lost at the next recomputation), so they
@@ -30,7 +30,11 @@ C++ do not come here.
 
 from __future__ import annotations
 
+import sys
+
 import torch
+
+from .tensor import _jagged_new_code
 
 _MISSING = object()
 _saved: dict[str, object] = {}
@@ -66,6 +70,17 @@ def _replacements(_C) -> dict:
             return original(self, *args, **kwargs)
 
         return run
+
+    untyped_storage = torch.Tensor.untyped_storage
+
+    def native_untyped_storage(self):
+        # The storage is the value's memory, handed out (a tensor set_ over it writes it):
+        # pinned as data_ptr() pins it. A nested jagged tensor's constructor reads only its
+        # size, for every op on it; pinning there made every jagged tensor's values
+        # unevictable (the subclass engine's wrapper makes the same exception).
+        if _C.is_native(self) and sys._getframe(1).f_code is not _jagged_new_code():
+            _C.native_materialize(self)
+        return untyped_storage(self)
 
     def write_back(method: str):
         # apply_/map_/map2_ run a Python function over the memory itself: a write the
@@ -144,6 +159,7 @@ def _replacements(_C) -> dict:
         "numpy": native_numpy,
         "__dlpack__": pinning("__dlpack__"),
         "data_ptr": pinning("data_ptr"),
+        "untyped_storage": native_untyped_storage,
         "const_data_ptr": pinning("const_data_ptr"),
     }
 

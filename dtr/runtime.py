@@ -41,6 +41,7 @@ from .storage_keys import SPARSE_LAYOUTS, freed, parts, storage_key
 from .tensor import CheckpointTensor, Node, Ref, _serials
 from .timeline import Recorder
 from .trace import TraceWriter
+from .volatile import Snapshots
 from .units import format_bytes
 
 aten = torch.ops.aten
@@ -122,6 +123,7 @@ class Runtime(Driver):
         self.const_storages: dict[int, torch.UntypedStorage] = {}
         self.escaped: dict[int, Node] = {}  # storage key -> managed node handed out plain
         self.escaped_keys: dict[int, int] = {}  # its tid -> storage key
+        self.snapshots = Snapshots()  # what recipes read of volatile memory
         self.pending_refs: list[Node] = []  # handles the program dropped
         self.hooks: list = []  # the session's own hooks, removed at close
         # Gradient hooks on the leaves ops read under grad mode. A program can make new
@@ -341,6 +343,8 @@ class Runtime(Driver):
                 core.make_room(reserve)
                 self.drain()
             self._prepare_writes(op)
+            if facts.fresh_returns or op.versioned:
+                self._snapshot_volatile(op)
             if facts.seeded:
                 gen = call.argument(facts, facts.generator) if facts.generator >= 0 else None
                 op.captured = rng.capture(gen, _device_of(call.leaves))
@@ -495,6 +499,25 @@ class Runtime(Driver):
                 if k not in op.versioned:
                     snap = copy_preserving_layout(op.vals[k])
                     op.snaps[k] = (snap, self._constant(snap, op.fresh))
+
+    def _snapshot_volatile(self, op: _Op) -> None:
+        """The recipe reads a snapshot of each argument in volatile memory (exported, or
+        foreign: dtr/volatile.py), which can change with no op dtr sees. A view's
+        outputs share the argument's pool or stay plain, and are never rebuilt from it."""
+        if op.facts.view:
+            return
+        escaped = self.escaped
+        for k, t in enumerate(op.vals):
+            if k in op.snaps or k in op.written or t is None or t.layout is not torch.strided:
+                continue
+            if op.nodes[k] is None:
+                storage = self.const_storages[op.tids[k]]
+                volatile = not storage.resizable() or storage._cdata in escaped
+            else:
+                volatile = bool(escaped) and storage_key(t) in escaped
+            if volatile:
+                snap = self.snapshots.take(t)
+                op.snaps[k] = (snap, self._constant(snap, op.fresh))
 
     def _record(self, op: _Op, out):
         """Tell the core about the op's outputs, wrap them, and build the recipe.
@@ -938,9 +961,13 @@ class Runtime(Driver):
             self.core.lock(node.tid)
             try:
                 value = self._value(node)
+                # The memory can be written from now on with no op dtr sees (a NumPy
+                # array, ctypes): what read it so far is materialized and pinned while it
+                # still holds what they read, and the value itself is pinned, its lineage
+                # cut. Later readers read snapshots of it (_snapshot_volatile).
+                self.invalidate(self.core.members(node.tid))
             finally:
                 self.core.unlock(node.tid)
-            self.core.pin(node.tid)
             key = value.untyped_storage()._cdata
             self.escaped[key] = node
             self.escaped_keys[node.tid] = key

@@ -35,7 +35,8 @@ Extensions (only in traces dtr writes):
   their lineage; whatever the program holds that reads them is materialized and pinned.
 - ``READ`` x: the program read x's value (``.item()``, ``repr``, ...).
 - ``EXPORT`` x: x was handed out as a plain tensor (a gradient to ``.grad``): read, then
-  pinned.
+  pinned; an ``INVALIDATE`` of its pool follows (the program may write the memory from
+  then on, where dtr cannot see it).
 - ``ANNOTATE`` ``END``: the block ended; what the program still holds is materialized.
 - ``ANNOTATE`` ``BUDGET`` n: ``session.set_budget()`` changed the budget to n bytes (-1:
   none) from the next op on. A replay at the trace's own budget follows it; a replay at
