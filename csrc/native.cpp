@@ -390,6 +390,9 @@ struct MadeByTranspose {
 
 }  // namespace
 
+// The name a trace gives the new version a value handed out becomes (Runtime.EXPORT_OP).
+constexpr const char* kExportOp = "dtr::export";
+
 struct Engine : std::enable_shared_from_this<Engine> {
   Engine(const std::string& heuristic, int64_t budget, uint64_t seed, bool roofline)
       : core(heuristic, budget, seed, 0), seed(seed), roofline(roofline) {}
@@ -558,6 +561,23 @@ struct Engine : std::enable_shared_from_this<Engine> {
     if (static_cast<int64_t>(const_storage.size()) <= tid) const_storage.resize(tid + 1);
     const_storage[tid] = t.storage();
     fresh.push_back(tid);
+    return tid;
+  }
+
+  // Runtime._export_version: the new version, with no lineage, that a value handed out
+  // becomes. It takes over the storage and the program's handles (cell); the old value
+  // moves to an evicted pool with its recipe and readers.
+  int64_t export_version(Cell& cell) {
+    const int64_t old = cell.tid;
+    const int64_t tid = core.record({old}, 0.0, {kVersion}, {old}, {0})[0];
+    if (trace) {
+      trace->call(kExportOp, {old}, {tid}, 0.0, {kVersion}, {0}, {0}, {});
+      trace->exported(tid);
+    }
+    set(values, tid, values.at(old));
+    detach_old_version(old);
+    cell.tid = tid;
+    core.pin(tid);
     return tid;
   }
 
@@ -1009,31 +1029,29 @@ inline NativeImpl* as_native(const at::Tensor& t) {
 at::Tensor plain_view(const at::Tensor& t) { return over(t, t.storage()); }
 
 // A managed tensor's value handed out as a plain tensor over the same storage, to live on
-// outside the engine (a gradient in .grad: Runtime.export). Its pool is pinned: memory the
-// program can write behind the engine's back is never evicted or recomputed, and its
-// readers are invalidated when the program writes it through an op (writes_to_plain).
+// outside the engine (a gradient in .grad, numpy(), data_ptr(): Runtime.export). The
+// memory can be written from now on with no op the engine sees (a NumPy array, ctypes), so
+// the value handed out is pinned, its lineage cut, and later recipes read snapshots of it
+// (Engine::snapshot). What read it so far keeps the value it read: private, the handed-out
+// value is a new version and the old one keeps its lineage (Invariant 4); aliased, the
+// readers are materialized and pinned. Writes through an op invalidate readers too
+// (writes_to_plain).
 at::Tensor export_value(Engine& e, const at::Tensor& t) {
   NativeImpl* impl = as_native(t);
   if (impl == nullptr) return t;
   std::lock_guard<std::recursive_mutex> g(e.mu);
   if (impl->eng_.get() != &e || !e.open) return plain_view(t);
   e.flush();
-  const int64_t tid = impl->tid();
-  if (e.trace) e.trace->exported(tid);
-  // The memory can be written from now on with no op the engine sees (a NumPy array,
-  // ctypes): what read it so far is materialized and pinned while it still holds what they
-  // read, and the value itself is pinned, its lineage cut (Runtime.export). Later readers
-  // read snapshots of it (Engine::snapshot).
-  e.core.lock(tid);
-  try {
-    if (!e.core.is_materialized(tid)) e.rematerialize(tid);
-    e.invalidate(e.core.members(tid));
-  } catch (...) {
-    e.core.unlock(tid);
-    e.drain();
-    throw;
+  int64_t tid = impl->tid();
+  const bool version = e.core.has_consumers(tid) && e.core.is_private(tid);
+  if (e.trace) version ? e.trace->read(tid) : e.trace->exported(tid);
+  e.make_resident(tid);
+  if (version) {
+    tid = e.export_version(*impl->cell_);
+  } else {
+    e.core.pin(tid);
+    if (e.core.has_consumers(tid)) e.invalidate(e.core.members(tid));
   }
-  e.core.unlock(tid);
   const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   e.escaped[s] = tid;
   if (e.handed_out.size() >= 2 * e.prune_handed_out_at) {  // gradients: some per step

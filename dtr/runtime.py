@@ -104,6 +104,10 @@ class _Op:
         self.rebuilt: dict[int, Rebuilt] = {}  # sparse leaves the recipe takes again
 
 
+# The name a trace gives the new version a value handed out becomes (Runtime.export)
+EXPORT_OP = "dtr::export"
+
+
 class Runtime(Driver):
     def __init__(self, config: DTRConfig):
         self.config = config
@@ -950,29 +954,51 @@ class Runtime(Driver):
 
     def export(self, ref: Ref) -> torch.Tensor:
         """The plain value of a managed tensor, handed out to live on outside dtr. The
-        pool is pinned: a storage the program can write to behind dtr's back must not be
-        evicted or recomputed."""
+        memory can be written from now on with no op dtr sees (a NumPy array, ctypes),
+        so the value handed out is pinned, its lineage cut, and later recipes read
+        snapshots of it (_snapshot_volatile). What read it so far keeps the value it
+        read: private, the handed-out value is a new version and the old one keeps its
+        lineage (Invariant 4); aliased, the readers are materialized and pinned."""
         with self.lock, internal():
             if not self.is_open:  # the block ended while this thread waited
                 return materialize_ref(ref)
+            core = self.core
             node = ref.node
+            version = core.has_consumers(node.tid) and core.is_private(node.tid)
             if self.trace is not None:
-                self.trace.export(node.label)
-            self.core.lock(node.tid)
+                (self.trace.read if version else self.trace.export)(node.label)
+            core.lock(node.tid)
             try:
                 value = self._value(node)
-                # The memory can be written from now on with no op dtr sees (a NumPy
-                # array, ctypes): what read it so far is materialized and pinned while it
-                # still holds what they read, and the value itself is pinned, its lineage
-                # cut. Later readers read snapshots of it (_snapshot_volatile).
-                self.invalidate(self.core.members(node.tid))
             finally:
-                self.core.unlock(node.tid)
+                core.unlock(node.tid)
+            if version:
+                node = self._export_version(ref, value)
+            else:
+                core.pin(node.tid)
+                if core.has_consumers(node.tid):
+                    self.invalidate(core.members(node.tid))
             key = value.untyped_storage()._cdata
             self.escaped[key] = node
             self.escaped_keys[node.tid] = key
             self.drain()
             return value
+
+    def _export_version(self, ref: Ref, value: torch.Tensor) -> Node:
+        """The new version, with no lineage, that a value handed out becomes: it takes
+        over the storage and the program's handles; the old value moves to an evicted
+        pool with its recipe and readers."""
+        old = ref.node
+        (tid,) = self.core.record([old.tid], 0.0, [VERSION], [old.tid], [0])
+        self._set_recipe(self.core.recipe_of(tid), None)  # dropped by the pin below
+        node = Node(tid, value, old.name, old.shape)
+        self._set_node(tid, node)
+        ref.node = node
+        if self.trace is not None:
+            self.trace.call(EXPORT_OP, [old.label], [node.label], 0.0, [VERSION], [0], [0], [])
+            self.trace.export(node.label)
+        self.core.pin(tid)
+        return node
 
     def read(self, ref: Ref) -> torch.Tensor:
         """The value of a managed tensor, for reading it at once (repr, tolist)."""
