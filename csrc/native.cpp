@@ -390,9 +390,6 @@ struct MadeByTranspose {
 
 }  // namespace
 
-// The name a trace gives the new version a value handed out becomes (Runtime.EXPORT_OP).
-constexpr const char* kExportOp = "dtr::export";
-
 struct Engine : std::enable_shared_from_this<Engine> {
   Engine(const std::string& heuristic, int64_t budget, uint64_t seed, bool roofline)
       : core(heuristic, budget, seed, 0), seed(seed), roofline(roofline) {}
@@ -570,10 +567,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
   int64_t export_version(Cell& cell) {
     const int64_t old = cell.tid;
     const int64_t tid = core.record({old}, 0.0, {kVersion}, {old}, {0})[0];
-    if (trace) {
-      trace->call(kExportOp, {old}, {tid}, 0.0, {kVersion}, {0}, {0}, {});
-      trace->exported(tid);
-    }
+    if (trace) trace->exported(old, tid);
     set(values, tid, values.at(old));
     detach_old_version(old);
     cell.tid = tid;
@@ -1044,7 +1038,7 @@ at::Tensor export_value(Engine& e, const at::Tensor& t) {
   e.flush();
   int64_t tid = impl->tid();
   const bool version = e.core.has_consumers(tid) && e.core.is_private(tid);
-  if (e.trace) version ? e.trace->read(tid) : e.trace->exported(tid);
+  if (e.trace && !version) e.trace->exported(tid);
   e.make_resident(tid);
   if (version) {
     tid = e.export_version(*impl->cell_);

@@ -104,10 +104,6 @@ class _Op:
         self.rebuilt: dict[int, Rebuilt] = {}  # sparse leaves the recipe takes again
 
 
-# The name a trace gives the new version a value handed out becomes (Runtime.export)
-EXPORT_OP = "dtr::export"
-
-
 class Runtime(Driver):
     def __init__(self, config: DTRConfig):
         self.config = config
@@ -965,16 +961,18 @@ class Runtime(Driver):
             core = self.core
             node = ref.node
             version = core.has_consumers(node.tid) and core.is_private(node.tid)
-            if self.trace is not None:
-                (self.trace.read if version else self.trace.export)(node.label)
             core.lock(node.tid)
             try:
                 value = self._value(node)
             finally:
                 core.unlock(node.tid)
             if version:
-                node = self._export_version(ref, value)
+                old, node = node, self._export_version(ref, value)
+                if self.trace is not None:
+                    self.trace.export(old.label, node.label)
             else:
+                if self.trace is not None:
+                    self.trace.export(node.label)
                 core.pin(node.tid)
                 if core.has_consumers(node.tid):
                     self.invalidate(core.members(node.tid))
@@ -994,9 +992,6 @@ class Runtime(Driver):
         node = Node(tid, value, old.name, old.shape)
         self._set_node(tid, node)
         ref.node = node
-        if self.trace is not None:
-            self.trace.call(EXPORT_OP, [old.label], [node.label], 0.0, [VERSION], [0], [0], [])
-            self.trace.export(node.label)
         self.core.pin(tid)
         return node
 

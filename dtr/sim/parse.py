@@ -110,6 +110,9 @@ class _Compiler:
                     if not str(r["RESERVE"]).isdigit():
                         self.fail(number, f"RESERVE {r['RESERVE']!r} is not a byte count")
                     self.code += [P.RESERVE, int(r["RESERVE"])]
+            elif instr == "EXPORT" and "VERSION" in r:
+                old = self.slot(number, r["NAME"])
+                self.code += [P.EXPORT_VERSION, old, self.new_slot(r["VERSION"])]
             elif instr in ("READ", "EXPORT"):
                 self.code += [P.READ if instr == "READ" else P.EXPORT, self.slot(number, r["NAME"])]
             elif instr == "ANNOTATE":
