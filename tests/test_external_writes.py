@@ -166,3 +166,20 @@ def test_numpy_batch_refilled_between_accumulated_micro_batches_matches_eager(en
 
 def test_numpy_batch_refilled_with_earlier_losses_kept_matches_eager(engine):
     _check(engine, STRESS, _train_refilled, False)
+
+
+def test_reads_of_an_unchanged_foreign_buffer_share_one_snapshot(engine):
+    # Each recipe reading the buffer holds a copy of it, taken when its op ran: one copy
+    # while the bytes stay the same, a new one after a refill.
+    buf = np.ones((64, 64), dtype=np.float32)
+    x = torch.from_numpy(buf)
+    w = torch.randn(64, 64, requires_grad=True)
+    with dtr.enable(engine=engine, stress=True) as session:
+        ys = [x @ w for _ in range(3)]
+        once = session.stats().constant_bytes
+        buf[:] = 2.0
+        ys.append(x @ w)
+        twice = session.stats().constant_bytes
+        assert once == w.nbytes + x.nbytes
+        assert twice == once + x.nbytes
+        assert torch.equal(ys[0] * 2, ys[3])  # recomputed (stress) from the copies
