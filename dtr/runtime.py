@@ -41,8 +41,8 @@ from .storage_keys import SPARSE_LAYOUTS, freed, parts, storage_key
 from .tensor import CheckpointTensor, Node, Ref, _serials
 from .timeline import Recorder
 from .trace import TraceWriter
-from .volatile import Snapshots
 from .units import format_bytes
+from .volatile import Snapshots
 
 aten = torch.ops.aten
 _perf = time.perf_counter

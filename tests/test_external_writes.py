@@ -183,3 +183,23 @@ def test_reads_of_an_unchanged_foreign_buffer_share_one_snapshot(engine):
         assert once == w.nbytes + x.nbytes
         assert twice == once + x.nbytes
         assert torch.equal(ys[0] * 2, ys[3])  # recomputed (stress) from the copies
+
+
+def _aliased_export_program():
+    # a is one of two views of a buffer the program holds: the export cannot move the
+    # storage to a new version, so what read either view is materialized and pinned.
+    torch.manual_seed(0)
+    w = torch.randn(N, N, requires_grad=True)
+    v = torch.randn(N // 2, N, requires_grad=True)
+    h = (torch.randn(N, N) @ w).tanh().detach()
+    a, rest = h[: N // 2], h[N // 2 :]
+    b, r = a.exp(), rest.exp()
+    a.numpy()[:] = 0.5
+    c = h.sin()
+    loss = (b * v).sum() + (r * v).sum() + (c[: N // 2] * v).sum()
+    loss.backward()
+    return [loss.detach(), b, r, c, h, v.grad]
+
+
+def test_writes_through_an_exported_view_match_eager(engine):
+    _check(engine, STRESS, _aliased_export_program)
