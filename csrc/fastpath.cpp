@@ -103,7 +103,8 @@ py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwa
   }
   std::vector<Leaf> leaves;
   Scan sc = scan(op, args.ptr(), kw, leaves);
-  if (!sc.simple) return fallback(func, args, kwargs);
+  // handle() serves an op reading volatile memory: its recipe reads a snapshot
+  if (!sc.simple || (sc.volatile_arg && sc.managed)) return fallback(func, args, kwargs);
   if (sc.managed) {
     if (op.managed) return run(op, args.ptr(), kw, leaves);
     std::vector<size_t> written;
@@ -118,7 +119,8 @@ py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwa
     direct = !known(leaves);
   } else if (op.plain == kPlainRead) {
     direct = op.view || !(at::GradMode::is_enabled() && sc.requires_grad);
-    if (!direct && op.managed) return run(op, args.ptr(), kw, leaves);  // _wants_management
+    if (!direct && op.managed && !sc.volatile_arg)
+      return run(op, args.ptr(), kw, leaves);  // _wants_management
   }
   if (!direct) return fallback(func, args, kwargs);
   PyObject* raw = PyObject_Call(op.op.ptr(), args.ptr(), kw);
@@ -180,6 +182,15 @@ bool FastPath::known(const std::vector<Leaf>& leaves) {
       if (PyErr_Occurred()) throw py::error_already_set();
     }
   }
+  return false;
+}
+
+// Whether a tensor's storage is a managed value's handed out plain (Runtime.escaped).
+bool FastPath::escaped(PyObject* tensor) {
+  if (PyDict_GET_SIZE(escaped_.ptr()) == 0) return false;
+  py::object key = storage_key(tensor);
+  if (PyDict_GetItemWithError(escaped_.ptr(), key.ptr()) != nullptr) return true;
+  if (PyErr_Occurred()) throw py::error_already_set();
   return false;
 }
 
@@ -291,6 +302,8 @@ FastPath::Scan FastPath::scan(const OpInfo& op, PyObject* args, PyObject* kwargs
       leaf.value = get(leaf.node, s_value_);  // None while evicted: rebuilt in run()
       leaf.tid = get(leaf.node, s_tid_).cast<int64_t>();
       sc.managed = true;
+      // (an evicted value was never handed out: that pins its pool)
+      if (!leaf.value.is_none() && escaped(leaf.value.ptr())) sc.volatile_arg = true;
     } else {
       // another subclass (a FakeTensor under torch.export's tracing) goes to handle()
       if (Py_TYPE(a) != reinterpret_cast<PyTypeObject*>(THPVariableClass) &&
@@ -304,6 +317,7 @@ FastPath::Scan FastPath::scan(const OpInfo& op, PyObject* args, PyObject* kwargs
         return;
       }
       sc.requires_grad = sc.requires_grad || t.requires_grad();
+      if (!t.storage().resizable() || escaped(a)) sc.volatile_arg = true;
       leaf.value = py::reinterpret_borrow<py::object>(a);  // a constant: tid found in run
     }
     leaves.push_back(std::move(leaf));

@@ -171,7 +171,11 @@ class FastPath {
   // path, whether a leaf is managed, and whether a plain one requires grad.
   struct Scan {
     bool simple = true, managed = false, requires_grad = false;
+    // an argument in volatile memory (dtr/volatile.py): a recipe reads a snapshot of it,
+    // which Runtime._snapshot_volatile takes
+    bool volatile_arg = false;
   };
+  bool escaped(PyObject* tensor);
 
   const OpInfo& info(py::handle func);
   py::object fallback(py::handle func, py::handle args, py::handle kwargs);

@@ -453,6 +453,10 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // evicted for the other members' sake; the memory is the program's from then on.
   std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> handed_out;
   size_t prune_handed_out_at = 64;
+  // The latest snapshot of each volatile storage, while a recipe holds it (weak: the table
+  // never keeps a copy alive): dtr/volatile.py's Snapshots.
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> snapshots;
+  size_t prune_snapshots_at = 64;
   // Plain tensors made in the block that a recipe makes again rather than hold
   // (dtr/fresh.py): torch.sparse.mm's zeros, autograd's transposed copy of a COO adj.
   Made<MadeByFill> made_by_fill;
@@ -585,6 +589,48 @@ struct Engine : std::enable_shared_from_this<Engine> {
     const_storage[tid] = t.storage();
     fresh.push_back(tid);
     return tid;
+  }
+
+  // Runtime._export_version: the new version, with no lineage, that a value handed out
+  // becomes. It takes over the storage and the program's handles (cell); the old value
+  // moves to an evicted pool with its recipe and readers.
+  int64_t export_version(Cell& cell) {
+    const int64_t old = cell.tid;
+    const int64_t tid = core.record({old}, 0.0, {kVersion}, {old}, {0})[0];
+    if (trace) trace->exported(old, tid);
+    set(values, tid, values.at(old));
+    detach_old_version(old);
+    cell.tid = tid;
+    core.pin(tid);
+    return tid;
+  }
+
+  // ---- volatile memory (dtr/volatile.py): what can change with no op the engine sees, a
+  // managed value handed out by address or a plain tensor's foreign memory (NumPy's)
+  bool is_volatile(const at::Tensor& t, bool managed) const {
+    const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+    return escaped.count(s) > 0 || (!managed && !s->resizable());
+  }
+  // A tensor with t's metadata over a copy of t's storage as it is now; the latest copy
+  // of that storage when it still holds the same bytes.
+  at::Tensor snapshot(const at::Tensor& t) {
+    const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+    auto it = snapshots.find(s);
+    if (it != snapshots.end()) {
+      c10::intrusive_ptr<c10::StorageImpl> kept = it->second.lock();
+      const size_t n = s->nbytes();
+      if (kept && kept->nbytes() == n && (n == 0 || std::memcmp(kept->data(), s->data(), n) == 0))
+        return over(t, c10::Storage(std::move(kept)));
+    }
+    at::Tensor snap = copy_storage(t);
+    if (snapshots.size() >= 2 * prune_snapshots_at) {
+      for (auto h = snapshots.begin(); h != snapshots.end();)
+        h = h->second.expired() ? snapshots.erase(h) : std::next(h);
+      prune_snapshots_at = std::max<size_t>(64, snapshots.size());
+    }
+    snapshots.insert_or_assign(
+        s, c10::weak_intrusive_ptr<c10::StorageImpl>(snap.storage().getWeakStorageImpl()));
+    return snap;
   }
 
   // ---- plain tensors a recipe can make again (dtr/fresh.py)
@@ -923,6 +969,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
     escaped.clear();
     escaped_storage.clear();
     handed_out.clear();
+    snapshots.clear();
     made_by_fill.clear();
     made_by_transpose.clear();
     hooked.clear();
@@ -1026,19 +1073,29 @@ inline NativeImpl* as_native(const at::Tensor& t) {
 at::Tensor plain_view(const at::Tensor& t) { return over(t, t.storage()); }
 
 // A managed tensor's value handed out as a plain tensor over the same storage, to live on
-// outside the engine (a gradient in .grad: Runtime.export). Its pool is pinned: memory the
-// program can write behind the engine's back is never evicted or recomputed, and its
-// readers are invalidated when the program writes it through an op (writes_to_plain).
+// outside the engine (a gradient in .grad, numpy(), data_ptr(): Runtime.export). The
+// memory can be written from now on with no op the engine sees (a NumPy array, ctypes), so
+// the value handed out is pinned, its lineage cut, and later recipes read snapshots of it
+// (Engine::snapshot). What read it so far keeps the value it read: private, the handed-out
+// value is a new version and the old one keeps its lineage (Invariant 4); aliased, the
+// readers are materialized and pinned. Writes through an op invalidate readers too
+// (writes_to_plain).
 at::Tensor export_value(Engine& e, const at::Tensor& t) {
   NativeImpl* impl = as_native(t);
   if (impl == nullptr) return t;
   std::lock_guard<std::recursive_mutex> g(e.mu);
   if (impl->eng_.get() != &e || !e.open) return plain_view(t);
   e.flush();
-  const int64_t tid = impl->tid();
-  if (e.trace) e.trace->exported(tid);
+  int64_t tid = impl->tid();
+  const bool version = e.core.has_consumers(tid) && e.core.is_private(tid);
+  if (e.trace && !version) e.trace->exported(tid);
   e.make_resident(tid);
-  e.core.pin(tid);
+  if (version) {
+    tid = e.export_version(*impl->cell_);
+  } else {
+    e.core.pin(tid);
+    if (e.core.has_consumers(tid)) e.invalidate(e.core.members(tid));
+  }
   const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   e.escaped[s] = tid;
   if (e.handed_out.size() >= 2 * e.prune_handed_out_at) {  // gradients: some per step
@@ -1539,6 +1596,17 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
         snap[k] = copy_storage(passed[k]);
         snap_tid[k] = e.constant(snap[k], fresh);
       }
+    // ... and a snapshot of an argument in volatile memory (Runtime._snapshot_volatile). A
+    // view's outputs share the argument's pool or stay plain, and are never rebuilt from it.
+    if (record && !facts.view && !facts.meta_only)
+      for (size_t k = 0; k < leaves.size(); ++k) {
+        const at::Tensor& t = passed[k];
+        if (snap_tid[k] >= 0 || !t.defined() || t.layout() != c10::kStrided ||
+            is_written(leaves[k].arg) || !e.is_volatile(t, leaves[k].native != nullptr))
+          continue;
+        snap[k] = e.snapshot(t);
+        snap_tid[k] = e.constant(snap[k], fresh);
+      }
     // A random op replays from its generator's state before it ran (Invariant 1); the
     // saved state is memory its recipe holds, counted as a constant. An op outside aten
     // is watched the same way, and its state kept only if it drew.
@@ -1660,7 +1728,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
           inputs.push_back(snap_tid[k]);
           rec.plain.emplace_back(snap[k]);
           set_item(args[leaves[k].arg], leaves[k].item, snap[k]);
-          rec.scratch.emplace_back(leaves[k].arg, leaves[k].item);
+          if (is_written(leaves[k].arg)) rec.scratch.emplace_back(leaves[k].arg, leaves[k].item);
         } else if (leaves[k].native && tids[k] >= 0) {
           inputs.push_back(tids[k]);
           slot_of[k] = static_cast<int64_t>(rec.slots.size());

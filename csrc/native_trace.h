@@ -89,6 +89,12 @@ class Trace {
   }
   void release(int64_t tid) { line("{\"INSTRUCTION\":\"RELEASE\",\"NAME\":" + label(tid) + "}"); }
   void exported(int64_t tid) { line("{\"INSTRUCTION\":\"EXPORT\",\"NAME\":" + label(tid) + "}"); }
+  // tid handed out as its new version `version` (Runtime.export)
+  void exported(int64_t tid, int64_t version) {
+    name(version);
+    line("{\"INSTRUCTION\":\"EXPORT\",\"NAME\":" + label(tid) + ",\"VERSION\":" +
+         label(version) + "}");
+  }
   void read(int64_t tid) { line("{\"INSTRUCTION\":\"READ\",\"NAME\":" + label(tid) + "}"); }
   void close() {
     if (f_ == nullptr) return;

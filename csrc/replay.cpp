@@ -27,6 +27,7 @@ enum Op : int64_t {
   kEnd = 11,
   kReserve = 12,
   kBudget = 13,
+  kExportVersion = 14,
 };
 
 struct Stop {
@@ -120,6 +121,23 @@ class Replayer {
           if (op == kExport) core_.pin(t);
           core_.drain_discard();
           pc += 2;
+          break;
+        }
+        case kExportVersion: {  // driver.py's EXPORT_VERSION
+          const int64_t t = slots_[code[pc + 1]];
+          core_.lock(t);
+          try {
+            materialize(t);
+          } catch (...) {
+            core_.unlock(t);
+            throw;
+          }
+          core_.unlock(t);
+          const int64_t version = core_.record({t}, 0.0, {kVersion}, {t}, {0})[0];
+          slots_[code[pc + 2]] = version;
+          core_.pin(version);
+          core_.drain_discard();
+          pc += 3;
           break;
         }
         case kBudget:

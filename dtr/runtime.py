@@ -47,6 +47,7 @@ from .tensor import CheckpointTensor, Node, Ref, _serials, own_tensor, take_geom
 from .timeline import Recorder
 from .trace import TraceWriter
 from .units import format_bytes
+from .volatile import Snapshots
 
 aten = torch.ops.aten
 _perf = time.perf_counter
@@ -127,6 +128,7 @@ class Runtime(Driver):
         self.const_storages: dict[int, torch.UntypedStorage] = {}
         self.escaped: dict[int, Node] = {}  # storage key -> managed node handed out plain
         self.escaped_keys: dict[int, int] = {}  # its tid -> storage key
+        self.snapshots = Snapshots()  # what recipes read of volatile memory
         self.pending_refs: list[Node] = []  # handles the program dropped
         self.hooks: list = []  # the session's own hooks, removed at close
         self.leaf_hooks = LeafHooks()  # on the leaves ops read under grad mode
@@ -349,6 +351,8 @@ class Runtime(Driver):
                 # own over the storage, so that the old value keeps its geometry.
                 for k in op.versioned:
                     op.vals[k] = own_tensor(op.vals[k])
+            if facts.fresh_returns or op.versioned:
+                self._snapshot_volatile(op)
             captured = None
             if facts.seeded or facts.may_draw:
                 gen = call.argument(facts, facts.generator) if facts.generator >= 0 else None
@@ -523,6 +527,25 @@ class Runtime(Driver):
                 if k not in op.versioned:
                     snap = copy_preserving_layout(op.vals[k])
                     op.snaps[k] = (snap, self._constant(snap, op.fresh))
+
+    def _snapshot_volatile(self, op: _Op) -> None:
+        """The recipe reads a snapshot of each argument in volatile memory (exported, or
+        foreign: dtr/volatile.py), which can change with no op dtr sees. A view's
+        outputs share the argument's pool or stay plain, and are never rebuilt from it."""
+        if op.facts.view:
+            return
+        escaped = self.escaped
+        for k, t in enumerate(op.vals):
+            if k in op.snaps or k in op.written or t is None or t.layout is not torch.strided:
+                continue
+            if op.nodes[k] is None:
+                storage = self.const_storages[op.tids[k]]
+                volatile = not storage.resizable() or storage._cdata in escaped
+            else:
+                volatile = bool(escaped) and storage_key(t) in escaped
+            if volatile:
+                snap = self.snapshots.take(t)
+                op.snaps[k] = (snap, self._constant(snap, op.fresh))
 
     def _record(self, op: _Op, out):
         """Tell the core about the op's outputs, wrap them, and build the recipe.
@@ -985,25 +1008,50 @@ class Runtime(Driver):
 
     def export(self, ref: Ref) -> torch.Tensor:
         """The plain value of a managed tensor, handed out to live on outside dtr. The
-        pool is pinned: a storage the program can write to behind dtr's back must not be
-        evicted or recomputed."""
+        memory can be written from now on with no op dtr sees (a NumPy array, ctypes),
+        so the value handed out is pinned, its lineage cut, and later recipes read
+        snapshots of it (_snapshot_volatile). What read it so far keeps the value it
+        read: private, the handed-out value is a new version and the old one keeps its
+        lineage (Invariant 4); aliased, the readers are materialized and pinned."""
         with self.lock, internal():
             if not self.is_open:  # the block ended while this thread waited
                 return materialize_ref(ref)
+            core = self.core
             node = ref.node
-            if self.trace is not None:
-                self.trace.export(node.label)
-            self.core.lock(node.tid)
+            version = core.has_consumers(node.tid) and core.is_private(node.tid)
+            core.lock(node.tid)
             try:
                 value = self._value(node)
             finally:
-                self.core.unlock(node.tid)
-            self.core.pin(node.tid)
+                core.unlock(node.tid)
+            if version:
+                old, node = node, self._export_version(ref, value)
+                if self.trace is not None:
+                    self.trace.export(old.label, node.label)
+            else:
+                if self.trace is not None:
+                    self.trace.export(node.label)
+                core.pin(node.tid)
+                if core.has_consumers(node.tid):
+                    self.invalidate(core.members(node.tid))
             key = value.untyped_storage()._cdata
             self.escaped[key] = node
             self.escaped_keys[node.tid] = key
             self.drain()
             return value
+
+    def _export_version(self, ref: Ref, value: torch.Tensor) -> Node:
+        """The new version, with no lineage, that a value handed out becomes: it takes
+        over the storage and the program's handles; the old value moves to an evicted
+        pool with its recipe and readers."""
+        old = ref.node
+        (tid,) = self.core.record([old.tid], 0.0, [VERSION], [old.tid], [0])
+        self._set_recipe(self.core.recipe_of(tid), None)  # dropped by the pin below
+        node = Node(tid, value, old.name, old.shape)
+        self._set_node(tid, node)
+        ref.node = node
+        self.core.pin(tid)
+        return node
 
     def read(self, ref: Ref) -> torch.Tensor:
         """The value of a managed tensor, for reading it at once (repr, tolist)."""

@@ -34,8 +34,10 @@ Extensions (only in traces dtr writes):
 - ``INVALIDATE`` ``ARGS``: these tensors are about to be written in place without keeping
   their lineage; whatever the program holds that reads them is materialized and pinned.
 - ``READ`` x: the program read x's value (``.item()``, ``repr``, ...).
-- ``EXPORT`` x: x was handed out as a plain tensor (a gradient to ``.grad``): read, then
-  pinned.
+- ``EXPORT`` x: x was handed out as a plain tensor (a gradient to ``.grad``, ``numpy()``):
+  read, then pinned; an ``INVALIDATE`` of its pool follows if something read it. With
+  ``VERSION`` y: read, then x's in-place update y (x's storage and handles, no cost) is
+  recorded and pinned; x keeps its lineage for what read it (Runtime.export).
 - ``ANNOTATE`` ``END``: the block ended; what the program still holds is materialized.
 - ``ANNOTATE`` ``BUDGET`` n: ``session.set_budget()`` changed the budget to n bytes (-1:
   none) from the next op on. A replay at the trace's own budget follows it; a replay at
@@ -144,8 +146,11 @@ class TraceWriter:
     def read(self, name: str) -> None:
         self._write(INSTRUCTION="READ", NAME=name)
 
-    def export(self, name: str) -> None:
-        self._write(INSTRUCTION="EXPORT", NAME=name)
+    def export(self, name: str, version: str | None = None) -> None:
+        if version is None:
+            self._write(INSTRUCTION="EXPORT", NAME=name)
+        else:
+            self._write(INSTRUCTION="EXPORT", NAME=name, VERSION=version)
 
     def close(self) -> None:
         if self._f is not None:

@@ -163,6 +163,18 @@ class Replay(Driver):
                     core.pin(t)
                 core.drain()
                 pc += 2
+            elif op == P.EXPORT_VERSION:
+                t = slots[code[pc + 1]]
+                core.lock(t)
+                try:
+                    self.rematerialize_if_needed(t)
+                finally:
+                    core.unlock(t)
+                (new,) = core.record([t], 0.0, [VERSION], [t], [0])
+                slots[code[pc + 2]] = new
+                core.pin(new)
+                core.drain()
+                pc += 3
             elif op == P.BUDGET:  # session.set_budget() in the live run, from here on
                 core.budget = code[pc + 1]
                 pc += 2

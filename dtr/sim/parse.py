@@ -219,6 +219,9 @@ class _Compiler:
                 self.code += [P.INPUTS if instr == "INPUTS" else P.INVALIDATE, len(args), *args]
                 if "RESERVE" in r:
                     self.code += [P.RESERVE, self.nbytes(number, r, "RESERVE")]
+            elif instr == "EXPORT" and "VERSION" in r:
+                old = self.slot(number, self.name(number, r, "NAME"))
+                self.code += [P.EXPORT_VERSION, old, self.new_slot(self.name(number, r, "VERSION"))]
             elif instr in ("READ", "EXPORT"):
                 slot = self.slot(number, self.name(number, r, "NAME"))
                 self.code += [P.READ if instr == "READ" else P.EXPORT, slot]

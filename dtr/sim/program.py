@@ -17,6 +17,7 @@ BUDGET         nbytes or -1                    (live: session.set_budget())
 INVALIDATE     n, slots...                     (live)
 READ           slot
 EXPORT         slot
+EXPORT_VERSION slot, new slot                  (live: read, then a pinned new version)
 BACKWARD
 END
 =============  ============================================================================
@@ -29,7 +30,7 @@ import dataclasses
 import numpy as np
 
 CONST, COPY, RELEASE, CALL, MUTATE, COPY_FROM, INPUTS, INVALIDATE, READ, EXPORT = range(10)
-BACKWARD, END, RESERVE, BUDGET = 10, 11, 12, 13
+BACKWARD, END, RESERVE, BUDGET, EXPORT_VERSION = 10, 11, 12, 13, 14
 
 # Replay semantics: the paper's simulator (evict before an op for its outputs, in-place
 # updates as copies), or dtr's live runtime (evict after an op, in-place updates as
@@ -77,6 +78,7 @@ NAMES = {
     END: "END",
     RESERVE: "RESERVE",
     BUDGET: "BUDGET",
+    EXPORT_VERSION: "EXPORT_VERSION",
 }
 
 
@@ -85,7 +87,7 @@ def disassemble(prog: Program) -> list[tuple]:
     code, out, pc = prog.code.tolist(), [], 0
     while pc < len(code):
         op = code[pc]
-        if op in (CONST, COPY, COPY_FROM):
+        if op in (CONST, COPY, COPY_FROM, EXPORT_VERSION):
             out.append((NAMES[op], code[pc + 1], code[pc + 2]))
             pc += 3
         elif op in (RELEASE, READ, EXPORT, RESERVE, BUDGET):
