@@ -253,6 +253,21 @@ def _child_reads(arg, q_in, q_out):
     q_out.put((bytes(arg.numpy()), bytes(got.numpy())))
 
 
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param(
+            "subclass",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the subclass engine hands a Process argument that an export made a "
+                "new version of to the child with a storage the child cannot map "
+                "('unable to resize file ... to the right size')",
+            ),
+        ),
+        "native",
+    ],
+)
 def test_managed_tensors_sent_to_another_process(engine):
     # torch.multiprocessing's reductions move a tensor's storage to shared memory: on the
     # native engine they read an evicted value (at Process start an error; from a Queue's

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # stress: every evictable value is evicted after every op; budget: tight enough that
 # values are evicted and recomputed while the programs below run
-SETTINGS = {"stress": {"stress": True}, "budget": {"budget": "32KiB"}}
+SETTINGS = {"stress": {"stress": True}, "budget": {"budget": "40KiB"}}
 
 
 def _session(engine: str, setting: str, budget: str | None = None):
