@@ -110,14 +110,7 @@ class Replayer {
         case kRead:
         case kExport: {
           const int64_t t = slots_[code[pc + 1]];
-          core_.lock(t);
-          try {
-            materialize(t);
-          } catch (...) {
-            core_.unlock(t);
-            throw;
-          }
-          core_.unlock(t);
+          read(t);
           if (op == kExport) core_.pin(t);
           core_.drain_discard();
           pc += 2;
@@ -125,14 +118,7 @@ class Replayer {
         }
         case kExportVersion: {  // driver.py's EXPORT_VERSION
           const int64_t t = slots_[code[pc + 1]];
-          core_.lock(t);
-          try {
-            materialize(t);
-          } catch (...) {
-            core_.unlock(t);
-            throw;
-          }
-          core_.unlock(t);
+          read(t);
           const int64_t version = core_.record({t}, 0.0, {kVersion}, {t}, {0})[0];
           slots_[code[pc + 2]] = version;
           core_.pin(version);
@@ -160,6 +146,18 @@ class Replayer {
   }
 
  private:
+  // The program reads tid (READ, EXPORT): rebuilt if evicted, locked meanwhile.
+  void read(int64_t tid) {
+    core_.lock(tid);
+    try {
+      materialize(tid);
+    } catch (...) {
+      core_.unlock(tid);
+      throw;
+    }
+    core_.unlock(tid);
+  }
+
   void materialize(int64_t tid) {
     if (core_.is_materialized(tid)) return;
     rematerialize(

@@ -154,22 +154,14 @@ class Replay(Driver):
                 pc += 2 + k
             elif op in (P.READ, P.EXPORT):
                 t = slots[code[pc + 1]]
-                core.lock(t)
-                try:
-                    self.rematerialize_if_needed(t)
-                finally:
-                    core.unlock(t)
+                self.read(t)
                 if op == P.EXPORT:
                     core.pin(t)
                 core.drain()
                 pc += 2
             elif op == P.EXPORT_VERSION:
                 t = slots[code[pc + 1]]
-                core.lock(t)
-                try:
-                    self.rematerialize_if_needed(t)
-                finally:
-                    core.unlock(t)
+                self.read(t)
                 (new,) = core.record([t], 0.0, [VERSION], [t], [0])
                 slots[code[pc + 2]] = new
                 core.pin(new)
@@ -274,6 +266,14 @@ class Replay(Driver):
                 core.unlock(t)
         core.make_room(0)
         return outs
+
+    def read(self, tid: int) -> None:
+        """The program reads tid (READ, EXPORT): rebuilt if evicted, locked meanwhile."""
+        self.core.lock(tid)
+        try:
+            self.rematerialize_if_needed(tid)
+        finally:
+            self.core.unlock(tid)
 
     def rematerialize_if_needed(self, tid: int) -> None:
         if not self.core.is_materialized(tid):
