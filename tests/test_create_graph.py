@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 
-from .utils import assert_bitwise, eager_and_dtr
+from .utils import assert_bitwise_with_remats
 
 # Eager warns that backward(create_graph=True) makes a reference cycle through .grad:
 # what these programs do on purpose.
@@ -26,14 +26,6 @@ def _mlp():
     return nn.Sequential(nn.Linear(6, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 1))
 
 
-def _check(fn, engine, mode):
-    expected, got, stats, _ = eager_and_dtr(fn, "cpu", engine=engine, cost_model="roofline", **mode)
-    assert len(got) == len(expected)
-    for i, (g, e) in enumerate(zip(got, expected)):
-        assert_bitwise(g, e, f"value {i}")
-    assert stats.remats > 0
-    return stats
-
 
 @pytest.mark.parametrize("mode", MODES, ids=["stress", "budget"])
 def test_a_penalty_made_of_grads_alone_backpropagates(engine, mode):
@@ -49,7 +41,7 @@ def test_a_penalty_made_of_grads_alone_backpropagates(engine, mode):
         penalty.backward()
         return [penalty.detach()] + [p.grad for p in params]
 
-    _check(fn, engine, mode)
+    assert_bitwise_with_remats(fn, engine, mode)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["stress", "budget"])
@@ -67,7 +59,7 @@ def test_a_penalty_added_to_another_loss_contributes_its_gradient(engine, mode, 
         (model(x2).abs().mean() + 0.5 * penalty).backward()
         return [penalty.detach()] + [p.grad.detach() for p in params]
 
-    _check(fn, engine, mode)
+    assert_bitwise_with_remats(fn, engine, mode)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["stress", "budget"])
@@ -90,5 +82,5 @@ def test_wgan_gp_penalty_through_backward_trains_the_critic(engine, mode):
         opt.step()
         return [gp.detach(), loss.detach()] + grads + [p.detach().clone() for p in critic.parameters()]
 
-    _check(fn, engine, mode)
+    assert_bitwise_with_remats(fn, engine, mode)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .utils import assert_bitwise, eager_and_dtr
+from .utils import assert_bitwise_with_remats
 
 
 @torch.library.custom_op("dtrtest_rng::noisy", mutates_args=())
@@ -49,13 +49,6 @@ def _modes(budget_kib: int):
     )
 
 
-def _check(fn, engine, mode):
-    expected, got, stats, _ = eager_and_dtr(fn, "cpu", engine=engine, cost_model="roofline", **mode)
-    assert len(got) == len(expected)
-    for i, (g, e) in enumerate(zip(got, expected)):
-        assert_bitwise(g, e, f"value {i}")
-    assert stats.remats > 0
-
 
 @_modes(64)
 def test_custom_random_ops_replay_their_draws(engine, mode):
@@ -71,7 +64,7 @@ def test_custom_random_ops_replay_their_draws(engine, mode):
         after = torch.rand(3)  # the random stream after the block: eager's
         return [z.detach(), x.grad, n.detach(), r.detach(), s, after]
 
-    _check(fn, engine, mode)
+    assert_bitwise_with_remats(fn, engine, mode)
 
 
 @_modes(40)
@@ -88,4 +81,4 @@ def test_custom_random_op_with_a_generator_argument(engine, mode, name):
         z.backward()
         return [z.detach(), x.grad, m, g.get_state(), torch.rand(3)]
 
-    _check(fn, engine, mode)
+    assert_bitwise_with_remats(fn, engine, mode)

@@ -86,6 +86,17 @@ def assert_bitwise(actual, expected, what: str = "value") -> None:
     assert torch.equal(actual, expected), f"{what} differs from eager"
 
 
+def assert_bitwise_with_remats(fn, engine: str, mode: dict):
+    """fn() on the CPU under dtr (engine, roofline costs, mode: stress or a budget) equal
+    to eager in every value it returns, with recomputations made; returns the stats."""
+    expected, got, stats, _ = eager_and_dtr(fn, "cpu", engine=engine, cost_model="roofline", **mode)
+    assert len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert_bitwise(g, e, f"value {i}")
+    assert stats.remats > 0
+    return stats
+
+
 def assert_matches(actual, expected, exact: bool = True, what: str = "value") -> None:
     """assert_bitwise when exact (always on CPU). Otherwise, for a CUDA run that used a
     kernel without a deterministic implementation (see ``deterministic``: atomicAdd
