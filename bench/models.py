@@ -144,6 +144,115 @@ class TreeNet(nn.Module):
         return self.head(self.node([self.embed(t) for t in tokens]))
 
 
+class VectorTree(nn.Module):
+    """A recursive net over single vectors: one ``nn.Linear`` combines two children at
+    every node of a random binary tree (TreeLSTM-style). Each node's activation is one
+    vector while its piece of the weight gradient is a whole matrix, so backward sums
+    one large piece per node."""
+
+    def __init__(self, vocab: int = 64, dim: int = 96, classes: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.combine = nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, classes)
+
+    def node(self, leaves: list[torch.Tensor], splits: list[float]) -> torch.Tensor:
+        n = len(leaves)
+        if n == 1:
+            return leaves[0]
+        k = 1 + int(splits[n] * (n - 1)) % (n - 1)
+        h = torch.cat([self.node(leaves[:k], splits), self.node(leaves[k:], splits)])
+        return torch.tanh(self.combine(h))
+
+    def forward(self, tokens, splits):
+        # tokens: [leaves]; splits: where each subtree of n leaves splits (plain floats,
+        # read on the host: the tree's shape is data, not computation)
+        root = self.node(list(self.embed(tokens)), splits.tolist())
+        return self.head(root).unsqueeze(0)
+
+
+class LSTMCellLM(nn.Module):
+    """A language model unrolled over time with ``nn.LSTMCell``: every step's gates are
+    chunks of one buffer the CPU kernel writes in place."""
+
+    def __init__(self, vocab: int = 96, dim: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.cell = nn.LSTMCell(dim, dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        h = c = x.new_zeros(x.shape[0], x.shape[2])
+        outs = []
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+            outs.append(h)
+        return self.out(torch.stack(outs, 1))
+
+
+class TiedGRULM(nn.Module):
+    """A two-layer GRU language model whose output layer shares the embedding's weight."""
+
+    def __init__(self, vocab: int = 96, dim: int = 64, p: float = 0.1):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.gru = nn.GRU(dim, dim, 2, batch_first=True, dropout=p)
+        self.out = nn.Linear(dim, vocab)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        h, _ = self.gru(self.embed(tokens))
+        return self.out(h)
+
+
+class LoopedTransformer(nn.Module):
+    """One transformer layer applied `loops` times: every use reads the same weights."""
+
+    def __init__(self, vocab: int = 96, dim: int = 64, heads: int = 4, loops: int = 6):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, 0.1, batch_first=True)
+        self.loops = loops
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for _ in range(self.loops):
+            h = self.layer(h)
+        return self.out(h)
+
+
+class GCN(nn.Module):
+    """A graph convolutional network over a sparse (COO) row-normalized adjacency."""
+
+    def __init__(self, features: int = 32, width: int = 64, depth: int = 6, classes: int = 8):
+        super().__init__()
+        sizes = [features] + [width] * (depth - 1) + [classes]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+
+    def forward(self, adj, x):
+        for k, layer in enumerate(self.layers):
+            x = torch.sparse.mm(adj, layer(x))
+            if k < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
+def random_graph(g: torch.Generator, nodes: int, degree: int = 8) -> torch.Tensor:
+    """A random graph with self loops as a COO tensor, rows normalized (each node averages
+    its neighbours)."""
+    src = torch.randint(0, nodes, (nodes * degree,), generator=g)
+    dst = torch.randint(0, nodes, (nodes * degree,), generator=g)
+    loops = torch.arange(nodes)
+    index = torch.stack([torch.cat([src, loops]), torch.cat([dst, loops])])
+    ones = torch.ones(index.shape[1])
+    adj = torch.sparse_coo_tensor(index, ones, (nodes, nodes), check_invariants=True).coalesce()
+    deg = torch.sparse.sum(adj, 1).to_dense()
+    values = adj.values() / deg[adj.indices()[0]]
+    return torch.sparse_coo_tensor(adj.indices(), values, adj.shape, check_invariants=True).coalesce()
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     name: str
@@ -221,16 +330,83 @@ MODELS: dict[str, Spec] = {
 }
 
 
+def _tree_batch(g, s, n):
+    leaves = 24 * s
+    return (
+        torch.randint(0, 64, (leaves,), generator=g),
+        torch.rand(leaves + 1, generator=g),
+        torch.randint(0, 4, (1,), generator=g),
+    )
+
+
+def _tree_loss(model, batch):
+    tokens, splits, y = batch
+    return F.cross_entropy(model(tokens, splits), y)
+
+
+def _graph_batch(g, s, n):
+    return (
+        random_graph(g, n),
+        torch.randn(n, 32, generator=g),
+        torch.randint(0, 8, (n,), generator=g),
+    )
+
+
+def _graph_loss(model, batch):
+    adj, x, y = batch
+    return F.cross_entropy(model(adj, x), y)
+
+
+# Programs in the shapes third-party models take and the five above do not: recursion
+# over single vectors, an unrolled LSTMCell, a GRU with tied weights, a weight-shared
+# loop, a sparse graph. bench.zoo measures them with the third-party models.
+SHAPES: dict[str, Spec] = {
+    "vector_tree": Spec(
+        "vector_tree", lambda s: VectorTree(dim=96 * s), _tree_batch, _tree_loss, lambda s: 1
+    ),
+    "lstmcell_lm": Spec(
+        "lstmcell_lm",
+        lambda s: LSTMCellLM(dim=64 * s),
+        lambda g, s, n: _tokens(g, n, 24 * s, vocab=96),
+        _lm,
+        lambda s: 8 * s,
+    ),
+    "tied_gru_lm": Spec(
+        "tied_gru_lm",
+        lambda s: TiedGRULM(dim=64 * s),
+        lambda g, s, n: _tokens(g, n, 24 * s, vocab=96),
+        _lm,
+        lambda s: 8 * s,
+    ),
+    "looped_transformer": Spec(
+        "looped_transformer",
+        lambda s: LoopedTransformer(dim=64 * s),
+        lambda g, s, n: _tokens(g, n, 24 * s, vocab=96),
+        _lm,
+        lambda s: 8,
+    ),
+    "gcn": Spec("gcn", lambda s: GCN(width=64 * s), _graph_batch, _graph_loss, lambda s: 1000 * s),
+}
+
+
+def spec_of(name: str) -> Spec:
+    if name in MODELS:
+        return MODELS[name]
+    if name in SHAPES:
+        return SHAPES[name]
+    raise KeyError(f"no bench model named {name!r}: {sorted(MODELS) + sorted(SHAPES)}")
+
+
 def build(name: str, seed: int = 0, scale: int = 1) -> nn.Module:
     torch.manual_seed(seed)
-    return MODELS[name].build(scale)
+    return spec_of(name).build(scale)
 
 
 def batches(
     name: str, steps: int, seed: int = 1, scale: int = 1, size: int | None = None
 ) -> list[tuple]:
     """`steps` batches of `size` examples (default: the model's batch size at `scale`)."""
-    spec = MODELS[name]
+    spec = spec_of(name)
     n = spec.batch_size(scale) if size is None else size
     g = torch.Generator().manual_seed(seed)
     return [spec.batch(g, scale, n) for _ in range(steps)]

@@ -21,6 +21,12 @@ from dtr._core import core_class  # noqa: E402
 # 2.7 s under load). Eager and dtr runs in one comparison share the setting.
 torch.set_num_threads(1)
 
+# torchvision (installed for the zoo; transformers and timm import it) needs two schemas
+# defined before it imports on the CPU-only torch (bench/thirdparty.py).
+from bench.thirdparty import make_torchvision_importable  # noqa: E402
+
+make_torchvision_importable()
+
 from dtr import config as _config  # noqa: E402
 from dtr import session as _session  # noqa: E402
 
