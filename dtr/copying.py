@@ -9,6 +9,9 @@ any op, so both engines go through here with ``whole(t)``: a plain tensor with t
 geometry over a copy of t's whole storage (recomputed first if it is evicted), and
 ``key``, which names t's storage for as long as t lives (the native engine's storage;
 the subclass engine's pool, since its values move to new storages when recomputed).
+
+torch.multiprocessing sends a tensor's own storage, moved to shared memory, not a copy:
+``reduce_for_process``.
 """
 
 from __future__ import annotations
@@ -77,3 +80,19 @@ def reduced(t: torch.Tensor, key, whole: Callable[[torch.Tensor], torch.Tensor])
     if t.requires_grad:
         plain.requires_grad_(True)
     return plain
+
+
+def reduce_for_process(t: torch.Tensor):
+    """torch.multiprocessing's reduction of a subclass-engine wrapper. ForkingPickler
+    looks reductions up by exact type, so PyTorch's for torch.Tensor misses the wrapper,
+    whose pickle reduction (``reduced``) sends a copy: a receiver would not see later
+    writes, and the copy dies once pickled, closing the descriptor a spawned Process
+    gets only after its arguments are pickled. PyTorch's reduction, as eager's, shares
+    the tensor's own storage: it reads it through ``untyped_storage()``, which pins the
+    value (an export), so the shared memory lives as long as the tensor. A non-leaf
+    that requires grad gets PyTorch's refusal. The receiver rebuilds a plain tensor, so
+    it need not import dtr."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rebuild, args = reduce_tensor(t)
+    return rebuild, (torch.Tensor, *args[1:])  # every branch's first argument: type(t)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 
@@ -204,6 +205,10 @@ class CheckpointTensor(torch.Tensor):
     def decheckpoint(self) -> torch.Tensor:
         """The plain tensor behind this wrapper (see :func:`dtr.materialize`)."""
         return _plain(self)
+
+
+# torch.multiprocessing (Queue, Process arguments, DataLoader workers) shares the storage
+ForkingPickler.register(CheckpointTensor, copying.reduce_for_process)
 
 
 def own_tensor(value: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import linecache
 import sys
+import time
 
 import pytest
 import torch
@@ -249,53 +250,118 @@ def test_swap_tensors_on_tensors_made_in_the_block(engine):
 def _child_reads(arg, q_in, q_out):
     # (bytes back, not tensors: a tensor sent back lives in this process's shared memory,
     # which goes when the process ends)
-    got = q_in.get(timeout=120)
-    q_out.put((bytes(arg.numpy()), bytes(got.numpy())))
+    got = q_in.get(timeout=60)
+    q_out.put((bytes(arg.numpy()), bytes(got.detach().numpy()), got.requires_grad))
 
 
-@pytest.mark.parametrize(
-    "engine",
-    [
-        pytest.param(
-            "subclass",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the subclass engine hands a Process argument that an export made a "
-                "new version of to the child with a storage the child cannot map "
-                "('unable to resize file ... to the right size')",
-            ),
-        ),
-        "native",
-    ],
-)
-def test_managed_tensors_sent_to_another_process(engine):
-    # torch.multiprocessing's reductions move a tensor's storage to shared memory: on the
-    # native engine they read an evicted value (at Process start an error; from a Queue's
-    # feeder thread an error no one saw, and the receiver waited forever). The storage is
-    # the pinned value's, shared as in eager. A hang fails on the timeouts.
+def _child_sees_writes(q_in, q_out):
+    t = q_in.get(timeout=60)
+    q_out.put("received")
+    if q_in.get(timeout=60) == "written":
+        q_out.put(bytes(t.numpy()))
+
+
+def _answer(q, child, timeout=120.0):
+    """The child's next answer on q. A child that died without one (it could not
+    unpickle what it was sent) fails at once; a child that hangs, after timeout."""
     import queue
 
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            if not child.is_alive():
+                try:  # an answer put just before it exited
+                    return q.get(timeout=1)
+                except queue.Empty:
+                    pytest.fail(f"the child exited (code {child.exitcode}) without answering")
+    pytest.fail(f"the child did not answer in {timeout:.0f} s")
+
+
+def _end(child):
+    child.join(timeout=30)
+    if child.is_alive():
+        child.kill()
+
+
+def test_managed_tensors_sent_to_another_process(engine):
+    # torch.multiprocessing's reductions move a tensor's storage to shared memory and
+    # send that: the pinned value's (recomputed if evicted, also from a Queue's feeder
+    # thread), shared as in eager and alive as long as the tensor (a spawned Process gets
+    # its descriptors only after its arguments are pickled).
     import torch.multiprocessing as mp
 
     torch.manual_seed(0)
     x = torch.randn(64, requires_grad=True)
-    want = [bytes((x * 2).detach().numpy()), bytes(torch.tanh(x * 2 + 1).detach().numpy())]
+    want_y = bytes((x * 2).detach().numpy())
+    want_z = bytes(torch.tanh(x * 2 + 1).detach().numpy())
+    want_w = bytes(x.detach().numpy())
     ctx = mp.get_context("spawn")
     with dtr.enable(engine=engine, stress=True, cost_model="roofline") as s:
         y = (x * 2).detach()  # managed (what it reads requires grad); sent without grad
         z = torch.tanh(y + 1)
         torch.sigmoid(z)  # y and z are evicted
+        w = torch.empty(64).copy_(x.detach()).requires_grad_()  # a managed leaf
         assert s.stats().evictions >= 2
         q_in, q_out = ctx.Queue(), ctx.Queue()
         child = ctx.Process(target=_child_reads, args=(y, q_in, q_out), daemon=True)
         child.start()
         try:
             q_in.put(z)
-            got = q_out.get(timeout=180)
-        except queue.Empty:
-            pytest.fail("the child never received the tensors")
+            got_z = _answer(q_out, child)
         finally:
-            child.join(timeout=60)
-            if child.is_alive():
-                child.kill()
-    assert list(got) == want
+            _end(child)
+        # a leaf that requires grad arrives requiring grad, as in eager
+        child = ctx.Process(target=_child_reads, args=(y, q_in, q_out), daemon=True)
+        child.start()
+        try:
+            q_in.put(w)
+            got_w = _answer(q_out, child)
+        finally:
+            _end(child)
+        assert s.stats().remats > 0
+    assert got_z == (want_y, want_z, False)
+    assert got_w == (want_y, want_w, True)
+
+
+def test_write_after_sending_reaches_the_other_process(engine):
+    # Eager's receiver maps the sender's memory: an in-place write after sending shows
+    # there. A Queue sends from a feeder thread, outside dtr's mode on the subclass engine.
+    import torch.multiprocessing as mp
+
+    torch.manual_seed(0)
+    x = torch.randn(64, requires_grad=True)
+    want = bytes(((x * 2) * 3).detach().numpy())
+    ctx = mp.get_context("spawn")
+    with dtr.enable(engine=engine, stress=True, cost_model="roofline") as s:
+        y = (x * 2).detach()
+        torch.sigmoid(y + 1)  # y is evicted
+        assert s.stats().evictions >= 1
+        q_in, q_out = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=_child_sees_writes, args=(q_in, q_out), daemon=True)
+        child.start()
+        try:
+            q_in.put(y)
+            assert _answer(q_out, child) == "received"
+            y.mul_(3)
+            q_in.put("written")
+            got = _answer(q_out, child)
+        finally:
+            _end(child)
+    assert got == want
+
+
+def test_sending_a_non_leaf_that_requires_grad_is_refused_as_in_eager(engine):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    x = torch.randn(8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="Cowardly refusing to serialize non-leaf") as eager:
+        ctx.Process(target=print, args=(x * 2,), daemon=True).start()
+    with dtr.enable(engine=engine, stress=True, cost_model="roofline"):
+        h = x * 2
+        child = ctx.Process(target=print, args=(h,), daemon=True)
+        with pytest.raises(RuntimeError) as managed:
+            child.start()
+    assert str(managed.value) == str(eager.value)
