@@ -13,6 +13,11 @@ to bound), and dtr/eager step time
 so the two share the machine's state). Writes a table, bench/results/zoo.csv and
 bench/results/zoo.png (time against budget per model, through dtr.plot).
 
+Then, per model, where rematerialization's limit lies: P (dtr's peak with no budget), F
+(the op-level floor: parameters and batch plus the most any single op needs at once,
+computed by dtr.sim.floor from a trace of the run) and B (dtr's smallest feasible budget
+for two steps, bisected to 2%), with B's place between F and P; bench/results/zoo.floor.csv.
+
     python -m bench.zoo                                # every model, about 20 minutes
     python -m bench.zoo --models resnet18 gpt2 --ratios 0.5
     python -m bench.zoo --engine subclass
@@ -29,6 +34,7 @@ import math
 import os
 import signal
 import statistics
+import tempfile
 import time
 
 import torch
@@ -67,6 +73,10 @@ class RunTimeout(Exception):
 
 @contextlib.contextmanager
 def deadline(seconds: float):
+    if not math.isfinite(seconds):
+        yield
+        return
+
     def expire(signum, frame):
         raise RunTimeout(f"no result within {seconds:g} s")
 
@@ -120,9 +130,11 @@ def batch_bytes(batch: tuple) -> int:
     return total
 
 
-def run(entry: Entry, dtr_kwargs: dict | None, timed: int, timeout: float) -> Outcome:
-    """Train CHECKED_STEPS + 1 + timed steps of `entry` (under dtr.enable(**dtr_kwargs)
-    unless None) from the same seeds every time."""
+def run(
+    entry: Entry, dtr_kwargs: dict | None, timed: int, timeout: float, meter: bool = True
+) -> Outcome:
+    """Train CHECKED_STEPS (+ 1 metered unless not meter) + timed steps of `entry`
+    (under dtr.enable(**dtr_kwargs) unless None) from the same seeds every time."""
     torch.manual_seed(0)
     model = entry.build()
     model.train()
@@ -152,6 +164,8 @@ def run(entry: Entry, dtr_kwargs: dict | None, timed: int, timeout: float) -> Ou
                 out.losses.append(loss.item())
                 update()
             out.params = [p.detach().clone() for p in params]
+            if not meter:
+                return _finish(out, session, dtr_kwargs)
             # Gradients the parameters already hold are accumulated in place: the metered
             # step then counts what the budget covers, not the gradients (sized by the user).
             for p, zeros in zip(params, grad_buffers, strict=True):
@@ -163,8 +177,7 @@ def run(entry: Entry, dtr_kwargs: dict | None, timed: int, timeout: float) -> Ou
                 forward_backward(batch)
                 update()
                 out.times.append(time.perf_counter() - start)
-        if dtr_kwargs is not None:
-            out.stats = session.stats()
+        _finish(out, session, dtr_kwargs)
     except dtr.BudgetError as exc:
         out.status, out.detail = "infeasible", _first_line(exc)
     except RunTimeout as exc:
@@ -173,6 +186,12 @@ def run(entry: Entry, dtr_kwargs: dict | None, timed: int, timeout: float) -> Ou
         out.status, out.detail = type(exc).__name__, _first_line(exc)
     except Exception as exc:  # a model dtr breaks is a finding, not a crash of the sweep
         out.status, out.detail = "error", f"{type(exc).__name__}: {_first_line(exc)}"
+    return out
+
+
+def _finish(out: Outcome, session, dtr_kwargs) -> Outcome:
+    if dtr_kwargs is not None:
+        out.stats = session.stats()
     return out
 
 
@@ -201,20 +220,23 @@ def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3 if times else math.nan
 
 
-def sweep(entry: Entry, engine: str, ratios, timed: int, timeout: float, progress) -> list[list]:
-    """Rows for one model: eager, dtr with no budget, dtr at each ratio."""
+def sweep(
+    entry: Entry, engine: str, ratios, timed: int, timeout: float, progress, floor_folder=None
+) -> tuple[list[list], list | None]:
+    """Rows for one model (eager, dtr with no budget, dtr at each ratio) and, given a
+    folder for its trace, its floor row (FLOOR_HEADER)."""
     base = {"engine": engine}
     eager = run(entry, None, timed, timeout)
     progress()
     if eager.status != "ok":
-        return [[entry.name, entry.source, engine, "eager", "", eager.status] + [""] * 9 + [eager.detail]]
+        return [[entry.name, entry.source, engine, "eager", "", eager.status] + [""] * 9 + [eager.detail]], None
     rows = [_row(entry, engine, "eager", None, eager, eager, eager.times)]
     free = run(entry, base, timed, timeout)
     progress()
     rows.append(_row(entry, engine, "no budget", None, free, eager, eager.times))
     if free.status != "ok":
         progress(len(ratios))
-        return rows
+        return rows, None
     torch.manual_seed(0)
     params = param_bytes(entry.build())
     above = max(free.stats.peak_resident_bytes - params, 0)
@@ -224,7 +246,77 @@ def sweep(entry: Entry, engine: str, ratios, timed: int, timeout: float, progres
         got = run(entry, {**base, "budget": budget}, timed, timeout)
         progress()
         rows.append(_row(entry, engine, f"a{r:g}", budget, got, eager, eager_again.times))
-    return rows
+    if floor_folder is None:
+        return rows, None
+    return rows, floor_row(entry, engine, params, free.stats.peak_resident_bytes, timeout, floor_folder)
+
+
+FLOOR_HEADER = [
+    "model",
+    "engine",
+    "params_mib",
+    "peak_P_mib",
+    "floor_F_mib",
+    "smallest_B_mib",
+    "B_as_a",
+    "B_vs_floor",  # (B - F) / (P - F): 0 at the floor, 1 at the unbudgeted peak
+    "within_F+0.25",
+    "within_F+0.5",
+]
+
+
+def op_floor(entry: Entry, engine: str, folder: str) -> int:
+    """The op-level floor F of two steps (dtr.sim.floor, from a trace of a run with no
+    budget)."""
+    from dtr.sim import load
+    from dtr.sim.floor import op_floor as trace_floor
+
+    path = os.path.join(folder, f"{entry.name}.{engine}.jsonl.gz")
+    got = run(entry, {"engine": engine, "trace": path}, 0, math.inf, meter=False)
+    if got.status != "ok":
+        raise RuntimeError(f"{entry.name}: tracing failed: {got.status} {got.detail}")
+    return trace_floor(load(path))
+
+
+def smallest_budget(entry: Entry, engine: str, lo: int, hi: int, timeout: float) -> int | None:
+    """dtr's smallest feasible budget for two steps, bisected between lo (infeasible or
+    the floor) and hi until they are within 2%; None when hi itself is infeasible."""
+
+    def feasible(budget: int) -> bool:
+        got = run(entry, {"engine": engine, "budget": budget}, 0, timeout, meter=False)
+        return got.status == "ok"
+
+    if not feasible(hi):
+        return None
+    while hi > lo * 1.02:
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def floor_row(entry: Entry, engine: str, params: int, peak: int, timeout: float, folder) -> list:
+    floor = op_floor(entry, engine, folder)
+    best = smallest_budget(entry, engine, floor, peak, timeout)
+    span = max(peak - floor, 1)
+
+    def within(k: float) -> str:
+        return "" if best is None else ("yes" if best <= floor + k * span else "NO")
+
+    return [
+        entry.name,
+        engine,
+        f"{params / 2**20:.2f}",
+        f"{peak / 2**20:.2f}",
+        f"{floor / 2**20:.2f}",
+        "none" if best is None else f"{best / 2**20:.2f}",
+        "" if best is None else f"{(best - params) / max(peak - params, 1):.2f}",
+        "" if best is None else f"{(best - floor) / span:.2f}",
+        within(0.25),
+        within(0.5),
+    ]
 
 
 def _row(entry, engine, config, budget, got: Outcome, eager: Outcome, eager_times) -> list:
@@ -272,23 +364,36 @@ def main(argv=None) -> None:
     p.add_argument("--engine", default="native", choices=["native", "subclass"])
     p.add_argument("--timed", type=int, default=3, help="timed steps per configuration")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per configuration")
+    p.add_argument("--no-floor", action="store_true", help="skip the floor F and bisected B")
     p.add_argument("--out", default=os.path.join(RESULTS, "zoo.csv"))
     args = p.parse_args(argv)
+    stem = os.path.splitext(args.out)[0]
     from tqdm import tqdm
 
     bar = tqdm(total=len(args.models) * (2 + len(args.ratios)), unit="run")
-    rows = []
-    for name in args.models:
-        bar.set_description(name)
-        rows += sweep(ZOO[name], args.engine, args.ratios, args.timed, args.timeout, bar.update)
-        write_csv(args.out, HEADER, rows)  # a partial sweep is kept
+    rows, floors = [], []
+    with tempfile.TemporaryDirectory() as traces:
+        for name in args.models:
+            bar.set_description(name)
+            got, floor = sweep(
+                ZOO[name], args.engine, args.ratios, args.timed, args.timeout, bar.update,
+                None if args.no_floor else traces,
+            )
+            rows += got
+            floors += [floor] if floor else []
+            write_csv(args.out, HEADER, rows)  # a partial sweep is kept
+            if floors:
+                write_csv(stem + ".floor.csv", FLOOR_HEADER, floors)
     bar.close()
     print_table(HEADER[:-1], [r[:-1] for r in rows])
     for r in rows:
         if r[-1]:
             print(f"{r[0]} {r[3]}: {r[-1]}")
-    plot(rows, os.path.splitext(args.out)[0] + ".png")
-    print(f"wrote {args.out}")
+    if floors:
+        print()
+        print_table(FLOOR_HEADER, floors)
+    plot(rows, stem + ".png")
+    print(f"wrote {args.out}" + (f" and {stem}.floor.csv" if floors else ""))
 
 
 if __name__ == "__main__":
