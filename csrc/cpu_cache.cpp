@@ -1,5 +1,6 @@
-// A caching CPU allocator, installed while a native session is open (dtr/NOTES.md, "The
-// allocator at the step").
+// A caching CPU allocator, installed while a session is open (dtr/NOTES.md, "The
+// allocator at the step"): with a cache in the native engine, as a meter only (no idle
+// blocks kept) in the subclass engine and with cache=0.
 //
 // Why: glibc hands large freed blocks back to the kernel (munmap, or trimming the top of
 // the heap) and faults them in again at the next allocation of that size; how often
@@ -18,9 +19,10 @@
 //
 // It is also the engine's meter of what an op really allocates (window_mark/window_peak):
 // the most bytes in use while a kernel ran, its workspace included, which the engine
-// learns per op and input shapes and makes room for before the next such call. The allocator lives
-// as long as the process: blocks outlive the session that allocated them, and a block
-// given back when no session is open is freed at once.
+// learns per op and input shapes and makes room for before the next such call; and the
+// session's real peak (stats()'s peak_bytes). The allocator lives as long
+// as the process: blocks outlive the session that allocated them, and a block given back
+// when no session is open is freed at once.
 #include "cpu_cache.h"
 
 #include <c10/core/Allocator.h>
@@ -111,6 +113,7 @@ class CachingCPUAllocator final : public c10::Allocator {
     prev_deleter_ = prev_->raw_deleter();
     cap_ = cap;
     hits_ = misses_ = 0;
+    attach_base_ = attach_peak_ = allocated_;
     active_ = true;
     c10::SetCPUAllocator(this, kPriority);
   }
@@ -139,6 +142,9 @@ class CachingCPUAllocator final : public c10::Allocator {
     d["idle_bytes"] = idle_;
     d["allocated_bytes"] = allocated_;
     d["active"] = active_;
+    // the most in use at once since attach beyond what was in use then (the session's
+    // real peak, dtr.Stats.real_peak_bytes); kept after detach until the next attach
+    d["peak_bytes"] = attach_peak_ - attach_base_;
     return d;
   }
 
@@ -173,6 +179,7 @@ class CachingCPUAllocator final : public c10::Allocator {
   void note_allocated(size_t size) {  // (mu_ held)
     allocated_ += size;
     if (allocated_ > window_peak_) window_peak_ = allocated_;
+    if (allocated_ > attach_peak_) attach_peak_ = allocated_;
   }
 
   void release(void* p) {
@@ -247,6 +254,8 @@ class CachingCPUAllocator final : public c10::Allocator {
   c10::DeleterFnPtr prev_deleter_ = nullptr;  // its raw deleter, for small blocks
   size_t cap_ = 0;
   size_t window_peak_ = 0;  // the meter's high-water mark since window_mark
+  size_t attach_base_ = 0;  // in use at attach
+  size_t attach_peak_ = 0;  // the high-water mark since attach
   size_t idle_ = 0;
   size_t allocated_ = 0;
   int64_t hits_ = 0;

@@ -9,9 +9,10 @@ the runtime evicts that much first (``Runtime._run``), and the trace records the
 
 What is learned is the most the kernel had allocated at once, read from the CPU
 allocation cache's meter (csrc/cpu_cache.cpp), when that is larger than its outputs: a
-kernel's own buffers are memory too (``convolution_backward``'s exceed its outputs), and
-without them the real peak of a step under a budget was 1.2-1.4x the budget on a small
-CNN. The native engine reads the same meter in C++.
+kernel's own buffers are memory too (``convolution_backward``'s exceed its outputs):
+counting only outputs, a small CNN's step under 0.6 of its peak has 1.18x the budget in
+use, counting the buffers 1.01x (tests/test_real_memory.py). A recomputation makes room
+for its outputs only. The native engine reads the same meter in C++.
 """
 
 from __future__ import annotations
@@ -39,10 +40,14 @@ class OutputSizes:
 
 class KernelMeter:
     """The CPU allocation cache, attached for a session as a meter only (it keeps no idle
-    blocks): ``mark()`` before a kernel, ``peak_since(mark)`` after it. Both answer -1
-    when the extension is not built (then only outputs are learned)."""
+    blocks): ``mark()`` before a kernel, ``peak_since(mark)`` after it: the most bytes
+    in use since the mark beyond what was in use at it. ``mark()`` answers -1 and
+    ``peak_since`` 0 when the extension is not built (then only outputs are learned).
+    ``real_peak()``: the most in use at once since the session began, beyond what was
+    in use then (0 without the extension)."""
 
     def __init__(self) -> None:
+        self._closing_peak = 0
         try:
             self._C = importlib.import_module("dtr._C")
             self._C.cpu_cache_attach(0)
@@ -53,9 +58,13 @@ class KernelMeter:
         return -1 if self._C is None else self._C.cpu_cache_window_mark()
 
     def peak_since(self, mark: int) -> int:
-        return -1 if mark < 0 else self._C.cpu_cache_window_peak() - mark
+        return 0 if mark < 0 else self._C.cpu_cache_window_peak() - mark
+
+    def real_peak(self) -> int:
+        return self._closing_peak if self._C is None else self._C.cpu_cache_stats()["peak_bytes"]
 
     def close(self) -> None:
         if self._C is not None:
+            self._closing_peak = self.real_peak()
             self._C.cpu_cache_detach()
             self._C = None
