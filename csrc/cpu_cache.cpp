@@ -1,5 +1,6 @@
-// A caching CPU allocator, installed while a native session is open (dtr/NOTES.md, "The
-// allocator at the step").
+// A caching CPU allocator, installed while a session is open (dtr/NOTES.md, "The
+// allocator at the step"): with a cache in the native engine, as a meter only (no idle
+// blocks kept) in the subclass engine and with cache=0.
 //
 // Why: glibc hands large freed blocks back to the kernel (munmap, or trimming the top of
 // the heap) and faults them in again at the next allocation of that size; how often
@@ -12,10 +13,16 @@
 // faulting).
 //
 // Every block handed out and given back is reported to the profiler as the default
-// allocator does, so torch.profiler's memory events (bench.common's measure) count what
-// the program holds; idle cached bytes are "reserved", as on CUDA. The allocator lives
-// as long as the process: blocks outlive the session that allocated them, and a block
-// given back when no session is open is freed at once.
+// allocator does (its requested size, not the rounded one), so torch.profiler's memory
+// events (bench.common's measure) count what the program holds; idle cached bytes are
+// "reserved", as on CUDA.
+//
+// It is also the engine's meter of what an op really allocates (window_mark/window_peak):
+// the most bytes in use while a kernel ran, its workspace included, which the engine
+// learns per op and input shapes and makes room for before the next such call; and the
+// session's real peak (stats()'s peak_bytes). The allocator lives as long
+// as the process: blocks outlive the session that allocated them, and a block given back
+// when no session is open is freed at once.
 #include "cpu_cache.h"
 
 #include <c10/core/Allocator.h>
@@ -46,9 +53,10 @@ class CachingCPUAllocator final : public c10::Allocator {
     c10::Allocator* below = nullptr;
     {
       std::lock_guard<std::mutex> g(mu_);
-      if (!active_ || n < kMinBytes) below = prev_;
+      if (!active_) below = prev_;
     }
     if (below != nullptr) return below->allocate(n);
+    if (n < kMinBytes) return small(n);
     const size_t size = (n + kRound - 1) / kRound * kRound;
     void* p = nullptr;
     {
@@ -68,13 +76,26 @@ class CachingCPUAllocator final : public c10::Allocator {
     const bool profiled = c10::memoryProfilingEnabled();
     {
       std::lock_guard<std::mutex> g(mu_);
-      live_[p] = Block{size, profiled};
-      allocated_ += size;
+      live_[p] = Block{size, n, profiled, false};
+      note_allocated(size);
       allocated = allocated_;
       reserved = allocated_ + idle_;
     }
-    if (profiled) report(p, static_cast<int64_t>(size), allocated, reserved);
+    if (profiled) report(p, static_cast<int64_t>(n), allocated, reserved);
     return {p, p, &give_back, cpu};
+  }
+
+  // The meter: bytes in use now (-1 while not attached), and the most in use since then.
+  int64_t window_mark() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!active_) return -1;
+    window_peak_ = allocated_;
+    return static_cast<int64_t>(allocated_);
+  }
+
+  int64_t window_peak() {
+    std::lock_guard<std::mutex> g(mu_);
+    return active_ ? static_cast<int64_t>(window_peak_) : -1;
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &give_back; }
@@ -89,8 +110,10 @@ class CachingCPUAllocator final : public c10::Allocator {
     if (active_) throw std::runtime_error("dtr: the CPU allocation cache is already attached");
     prev_ = c10::GetCPUAllocator();
     if (prev_ == this) throw std::runtime_error("dtr: the CPU allocation cache installed twice");
+    prev_deleter_ = prev_->raw_deleter();
     cap_ = cap;
     hits_ = misses_ = 0;
+    attach_base_ = attach_peak_ = allocated_;
     active_ = true;
     c10::SetCPUAllocator(this, kPriority);
   }
@@ -119,6 +142,9 @@ class CachingCPUAllocator final : public c10::Allocator {
     d["idle_bytes"] = idle_;
     d["allocated_bytes"] = allocated_;
     d["active"] = active_;
+    // the most in use at once since attach beyond what was in use then (the session's
+    // real peak, dtr.Stats.real_peak_bytes); kept after detach until the next attach
+    d["peak_bytes"] = attach_peak_ - attach_base_;
     return d;
   }
 
@@ -130,10 +156,37 @@ class CachingCPUAllocator final : public c10::Allocator {
  private:
   static void give_back(void* p) { get().release(p); }
 
+  // A small block comes from the allocator below (glibc serves those from its arenas
+  // without faulting) and goes back to it, but is counted by the meter: a kernel's small
+  // buffers are memory too. The allocator below reports it to the profiler itself.
+  c10::DataPtr small(size_t n) {
+    c10::DataPtr dp = prev_->allocate(n);
+    void* p = dp.get();
+    // Only a block whose context is its address can be handed back through the raw
+    // deleter (the default allocator's are); others stay the allocator's own, unmetered.
+    if (prev_deleter_ == nullptr || p == nullptr || dp.get_context() != p ||
+        dp.get_deleter() != prev_deleter_)
+      return dp;
+    dp.release_context();
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      live_[p] = Block{n, n, false, true, prev_deleter_};
+      note_allocated(n);
+    }
+    return {p, p, &give_back, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  void note_allocated(size_t size) {  // (mu_ held)
+    allocated_ += size;
+    if (allocated_ > window_peak_) window_peak_ = allocated_;
+    if (allocated_ > attach_peak_) attach_peak_ = allocated_;
+  }
+
   void release(void* p) {
-    bool keep = false, profiled = false;
-    size_t size = 0, allocated = 0, reserved = 0;
+    bool keep = false, profiled = false, is_small = false;
+    size_t size = 0, requested = 0, allocated = 0, reserved = 0;
     c10::Allocator* prev = nullptr;
+    c10::DeleterFnPtr small_deleter = nullptr;
     {
       std::lock_guard<std::mutex> g(mu_);
       auto it = live_.find(p);
@@ -141,10 +194,15 @@ class CachingCPUAllocator final : public c10::Allocator {
         prev = prev_;
       } else {
         size = it->second.size;
+        requested = it->second.requested;
         profiled = it->second.profiled;
+        is_small = it->second.small;
+        small_deleter = it->second.deleter;
         live_.erase(it);
         allocated_ -= size;
-        if (active_ && idle_ + size <= cap_) {
+        if (is_small) {
+          // (freed below, outside mu_, by the allocator it came from)
+        } else if (active_ && idle_ + size <= cap_) {
           free_[size].push_back(p);
           idle_ += size;
           keep = true;
@@ -152,6 +210,10 @@ class CachingCPUAllocator final : public c10::Allocator {
         allocated = allocated_;
         reserved = allocated_ + idle_;
       }
+    }
+    if (is_small) {
+      small_deleter(p);  // (which reports the free to the profiler, as it reported the block)
+      return;
     }
     if (size == 0) {
       // Not ours: code that took raw_allocate's deleter while another allocator was
@@ -168,7 +230,7 @@ class CachingCPUAllocator final : public c10::Allocator {
     // as the default allocator does: a free is reported only for a block whose
     // allocation was (what was alive before profiling began is counted apart)
     if (profiled && c10::memoryProfilingEnabled())
-      report(p, -static_cast<int64_t>(size), allocated, reserved);
+      report(p, -static_cast<int64_t>(requested), allocated, reserved);
     if (!keep) c10::free_cpu(p);
   }
 
@@ -179,14 +241,21 @@ class CachingCPUAllocator final : public c10::Allocator {
   }
 
   struct Block {
-    size_t size;
-    bool profiled;  // its allocation was reported to the profiler
+    size_t size;       // as counted (rounded up to pages, for cached blocks)
+    size_t requested;  // as asked for, and reported to the profiler
+    bool profiled;     // its allocation was reported to the profiler
+    bool small;        // the allocator below's block, given back to it
+    c10::DeleterFnPtr deleter = nullptr;  // (small blocks) the allocator below's
   };
 
   std::mutex mu_;
   bool active_ = false;
   c10::Allocator* prev_ = nullptr;
+  c10::DeleterFnPtr prev_deleter_ = nullptr;  // its raw deleter, for small blocks
   size_t cap_ = 0;
+  size_t window_peak_ = 0;  // the meter's high-water mark since window_mark
+  size_t attach_base_ = 0;  // in use at attach
+  size_t attach_peak_ = 0;  // the high-water mark since attach
   size_t idle_ = 0;
   size_t allocated_ = 0;
   int64_t hits_ = 0;
@@ -197,12 +266,17 @@ class CachingCPUAllocator final : public c10::Allocator {
 
 }  // namespace
 
+int64_t window_mark() { return CachingCPUAllocator::get().window_mark(); }
+int64_t window_peak() { return CachingCPUAllocator::get().window_peak(); }
+
 void bind(py::module_& m) {
   m.def(
       "cpu_cache_attach", [](size_t cap) { CachingCPUAllocator::get().attach(cap); },
       py::arg("cap_bytes"));
   m.def("cpu_cache_detach", [] { CachingCPUAllocator::get().detach(); });
   m.def("cpu_cache_stats", [] { return CachingCPUAllocator::get().stats(); });
+  m.def("cpu_cache_window_mark", &window_mark);
+  m.def("cpu_cache_window_peak", &window_peak);
 }
 
 }  // namespace cpu_cache

@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_cache.h"
 #include "core.h"
 #include "fastpath_impl.h"
 
@@ -409,6 +410,7 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
   std::vector<PyObject*> vals(n);
   for (size_t k = 0; k < n; ++k) vals[k] = leaves[k].value.ptr();
   auto [real_args, real_kwargs] = substitute(args, kwargs, vals);
+  const int64_t in_use = size_key ? cpu_cache::window_mark() : -1;
   auto start = std::chrono::steady_clock::now();
   PyObject* raw = PyObject_Call(op.op.ptr(), real_args.ptr(), real_kwargs.ptr());
   py::object out;
@@ -427,6 +429,8 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
     else
       captured = py::none();
   }
+  // the kernel's outputs and own buffers (cpu_cache's meter), as in the native engine
+  const int64_t kernel_peak = in_use < 0 ? -1 : cpu_cache::window_peak() - in_use;
 
   // ---- Runtime._record: the op's tensors, as returns_of lists them
   std::vector<Out> outs;
@@ -524,7 +528,7 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
   if (size_key) {
     int64_t total = 0;
     for (int64_t b : nbytes) total += b;
-    sizes_.attr(s_learn_)(size_key, total);
+    sizes_.attr(s_learn_)(size_key, std::max(total, kernel_peak));
   }
   std::vector<int64_t> protect;  // the fresh outputs (not versions), kept while settling
   if (!kinds.empty()) {

@@ -32,6 +32,7 @@
 // collectives get plain tensors and are not recorded (collective(), below). OOM retry
 // (CUDA) is not here.
 #include "native.h"
+#include "cpu_cache.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/enum_tag.h>
@@ -1538,13 +1539,13 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       passed[k] = e.values[tids[k]];
       set_item((*stack)[begin + l.arg], l.item, passed[k]);
     }
-    // Room for the outputs before they exist, as much as the last such call made (Runtime
-    // ._run); if it cannot be made, the boundary after the op reports the budget. Ops that
-    // read no managed value (meta-only ones) reserve nothing, as in the subclass engine. A
-    // trace records the guess with no budget too, for replays under one.
+    // Room for the outputs and the kernel's own buffers before they exist, as much as the
+    // last such call had in use (Runtime._run, dtr/reserve.py); if it cannot be made, the
+    // boundary after the op reports the budget. A trace records the guess with no budget
+    // too, for replays under one.
     std::vector<int64_t> size_key;
     int64_t reserve = 0;
-    if ((core.budget >= 0 || e.trace) && e.reserve && !facts.meta_only) {
+    if ((core.budget >= 0 || e.trace) && e.reserve) {
       size_key = size_key_of(schema, leaves);
       auto it = e.out_sizes.find(size_key);
       reserve = it == e.out_sizes.end() ? 0 : it->second;
@@ -1628,10 +1629,14 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     if (record) args.assign(stack->begin() + begin, stack->end());
     std::vector<c10::IValue> priced;  // the roofline's view of the arguments
     if (e.roofline) priced.assign(stack->begin() + begin, stack->end());
+    const int64_t in_use = size_key.empty() ? -1 : cpu_cache::window_mark();
     auto start = std::chrono::steady_clock::now();
     Engine::call_below(op, stack, at::GradMode::is_enabled());
     double cost = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (gen && !facts.seeded && !drew(*gen, rng_state)) gen.reset();
+    // what the kernel had in use at most beyond what was in use before it: its outputs
+    // and its own buffers (convolution_backward's are larger than its outputs)
+    const int64_t kernel_peak = in_use < 0 ? -1 : cpu_cache::window_peak() - in_use;
     // outputs: an argument written in place (the program gets its own tensor back), a
     // view of an input (same storage) or of an earlier output, or fresh
     const size_t nret = schema.returns().size();
@@ -1713,7 +1718,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       for (int64_t b : nbytes) total += b;
       if (e.out_sizes.size() >= kMaxSizeEntries && !e.out_sizes.count(size_key))
         e.out_sizes.clear();
-      e.out_sizes[std::move(size_key)] = total;
+      e.out_sizes[std::move(size_key)] = std::max(total, kernel_peak);
     }
     std::vector<int64_t> protect;  // the fresh outputs, protected while settling
     if (!kinds.empty()) {

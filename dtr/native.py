@@ -21,10 +21,11 @@ OOM retry (CUDA) is the subclass engine's only.
 
 While a session is open, CPU allocations of 64 KiB and up in this process go through a
 cache that keeps freed blocks for the next request of the same size, as CUDA's caching
-allocator does, keeping at most `cache` bytes idle (default 1 GiB; 0 turns it off):
+allocator does, keeping at most `cache` bytes idle (default 1 GiB; 0 keeps none):
 glibc otherwise hands large freed blocks back to the kernel and faults them in again,
 which can cost more than the engine itself (csrc/cpu_cache.cpp). The cached blocks are
-freed when the session ends.
+freed when the session ends. The same allocator, cache or not, meters what each op
+allocates (dtr/reserve.py) and the block's real peak (Stats.real_peak_bytes).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class NativeSession:
         self._peak_carry = self._max_carry = 0
         self._error_mark = 0  # errors.raised_count() at entry
         self._cache_attached = False
+        self._real_peak = 0  # the allocator's peak in the block (cpu_cache), once closed
 
     def __enter__(self) -> NativeSession:
         _install()
@@ -182,9 +184,10 @@ class NativeSession:
         if cfg.trace is not None:
             engine.start_trace(self._trace_file(), cfg.cost_model)
         engine.activate()
-        if self.cache_bytes:
-            self._cache_attached = True  # first: detaching a cache never attached is harmless
-            _C.cpu_cache_attach(self.cache_bytes)
+        # Attached with or without a cache (cache=0 keeps no idle blocks): it is also the
+        # meter of what each op allocates (dtr/reserve.py) and of the block's real peak.
+        self._cache_attached = True  # first: detaching a cache never attached is harmless
+        _C.cpu_cache_attach(self.cache_bytes)
         self._steps = StepTracker(self)
         # a step ends at every optimizer.step() (dtr.enable's): see end_step()
         self._hooks.append(
@@ -236,7 +239,10 @@ class NativeSession:
                     from . import _C
 
                     self._cache_attached = False
-                    self.cache_stats = _C.cpu_cache_stats()
+                    cache = _C.cpu_cache_stats()
+                    self._real_peak = cache["peak_bytes"]
+                    if self.cache_bytes:
+                        self.cache_stats = cache
                     _C.cpu_cache_detach()
                 trace = self.config.trace
                 if (
@@ -296,12 +302,20 @@ class NativeSession:
         counters = self._engine.stats()
         counters["peak_resident_bytes"] = max(self._peak_carry, counters["peak_resident_bytes"])
         counters["max_transient_bytes"] = max(self._max_carry, counters["max_transient_bytes"])
+        counters["real_peak_bytes"] = self._real_peak_bytes()
         return Stats(
             budget_bytes=None if self.budget < 0 else self.budget,
             heuristic=self.config.heuristic,
             core="native",
             **counters,
         )
+
+    def _real_peak_bytes(self) -> int:
+        if not self._cache_attached:
+            return self._real_peak
+        from . import _C
+
+        return _C.cpu_cache_stats()["peak_bytes"]
 
     def end_step(self) -> StepStats:
         """Close a training step, as dtr.enable()'s Session.end_step: returns (and logs at

@@ -39,7 +39,7 @@ from .fresh import FACTORIES, TRANSPOSES, FreshFactories, FreshTransposes
 from .leaf_hooks import LeafHooks
 from .protocol import Driver
 from .recipe import VERSION_SPEC, Rebuilt, Recipe, StandIn, copy_preserving_layout
-from .reserve import OutputSizes
+from .reserve import KernelMeter, OutputSizes
 from .schema import OpFacts, op_facts
 from .steps import StepStats, StepTracker
 from .storage_keys import SPARSE_LAYOUTS, freed, parts, storage_key
@@ -85,6 +85,7 @@ class _Op:
         "held",
         "inputs",
         "key",
+        "kernel_peak",
         "rebuilt",
     )
 
@@ -106,6 +107,7 @@ class _Op:
         self.held: list[int] = []  # older constants it reads, held while it invalidates
         self.inputs: list[int] | None = None  # the core inputs of the recorded recipe
         self.key: tuple | None = None  # its OutputSizes key, when sizes are learned
+        self.kernel_peak = -1  # what its kernel had allocated at most (KernelMeter)
         self.rebuilt: dict[int, Rebuilt] = {}  # sparse leaves the recipe takes again
 
 
@@ -141,6 +143,7 @@ class Runtime(Driver):
         self.trace = TraceWriter(config.trace, config) if config.trace else None
         self.timeline = Recorder(config.timeline) if config.timeline else None
         self.sizes = OutputSizes()
+        self.kernel_meter = KernelMeter()  # detached by close()
         self.fresh = FreshFactories()  # zeros(...) and kin made in the block (dtr/fresh.py)
         self.transposes = FreshTransposes()  # adj.t() and kin of plain sparse tensors
         # the session's peak_bytes and max_bytes before the last take_step_peak()
@@ -358,6 +361,7 @@ class Runtime(Driver):
                 gen = call.argument(facts, facts.generator) if facts.generator >= 0 else None
                 captured = rng.capture(gen, _device_of(call.leaves))
             real_args, real_kwargs = substitute(call.args, call.kwargs, call.where, op.vals)
+            in_use = self.kernel_meter.mark() if op.key is not None else -1
             start = _perf()
             try:  # (the retry is off the fast path: a try costs nothing until it raises)
                 out = func(*real_args, **real_kwargs)
@@ -370,6 +374,7 @@ class Runtime(Driver):
                 op.captured = captured
                 # The saved generator state is memory the recipe holds: count it.
                 op.extra.append(self._constant(captured[1], op.fresh))
+            op.kernel_peak = self.kernel_meter.peak_since(in_use)
             cpu = (not op.vals or op.vals[0].is_cpu) and _first_cpu(out)  # (a factory: none)
             if self.model_cost or not cpu:
                 # On an accelerator the wall time around an asynchronous kernel is its
@@ -448,9 +453,20 @@ class Runtime(Driver):
             kwargs = {**kwargs, "device": device}
         op = _Op(func, facts, call)
         op.nodes, op.tids, op.vals = [], [], []
+        core = self.core
+        reserve = 0
+        if core.budget >= 0 or self.trace is not None:
+            op.key, reserve = self.sizes.predict(func, call.leaves)
+        if self.trace is not None:
+            self.trace.phase(torch._C._current_graph_task_id() != -1)
+            self.trace.inputs([], reserve)
+        if reserve and 0 <= core.budget < core.resident_bytes + reserve:
+            core.make_room(reserve)  # room for its output before it exists (dtr/reserve.py)
+            self.drain()
         if facts.seeded:
             op.captured = rng.capture(None, device)
             op.extra.append(self._constant(op.captured[1], op.fresh))
+        in_use = self.kernel_meter.mark() if op.key is not None else -1
         start = _perf()
         try:
             out = func(*args, **kwargs)
@@ -460,9 +476,12 @@ class Runtime(Driver):
             self.drain()
             raise
         op.cost = _perf() - start
+        kernel_peak = self.kernel_meter.peak_since(in_use)
         if self.model_cost or not out.is_cpu:
             op.cost = _cost.roofline(func, args, kwargs, out)
         nbytes = out.untyped_storage().nbytes()
+        if op.key is not None:
+            self.sizes.learn(op.key, max(nbytes, kernel_peak))
         out_tids = self.core.record(op.extra, op.cost, [NEW], [-1], [nbytes])
         t_args, t_kwargs = substitute(args, kwargs, call.where, [None] * len(stand_ins))
         rec = Recipe(
@@ -482,7 +501,6 @@ class Runtime(Driver):
         rec.outputs.append(node)
         self._set_recipe(self.core.recipe_of(node.tid), rec)
         if self.trace is not None:
-            self.trace.phase(torch._C._current_graph_task_id() != -1)
             self._trace_call(op, out_tids, [NEW], [-1])
         for tid in op.fresh:
             self.core.release(tid)
@@ -597,7 +615,7 @@ class Runtime(Driver):
             specs.append((i, j))
             produced.append(o)
         if op.key is not None:
-            self.sizes.learn(op.key, sum(nbytes))
+            self.sizes.learn(op.key, max(sum(nbytes), op.kernel_peak))
         if not kinds:
             if self.trace is not None:
                 self._trace_call(op, [], [], [])
@@ -1174,6 +1192,7 @@ class Runtime(Driver):
                 self.is_open = False
                 if self.trace is not None:
                     self.trace.close()
+                self.kernel_meter.close()
                 for handle in self.hooks:
                     handle.remove()
                 self.hooks.clear()

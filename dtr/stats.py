@@ -43,6 +43,13 @@ class Stats(Loggable):
         unmanaged_bytes: with measure="allocator", what the device's allocator had
             handed out beyond dtr's own count at the last op boundary (memory dtr does
             not manage, which came off the budget); 0 otherwise.
+        real_peak_bytes: the most bytes the CPU allocator had handed out at once while
+            the block ran, beyond what was in use when it was entered: activations,
+            temporaries, kernel workspaces, autograd's buffers, dtr's or not (the
+            budget's real memory, next to dtr's own count, peak_resident_bytes, which
+            also counts constants allocated before the block: parameters, inputs).
+            Over the whole block (reset_peak() does not restart it); 0 without the
+            compiled extension, and CUDA memory is not in it.
     """
 
     budget_bytes: int | None
@@ -61,6 +68,7 @@ class Stats(Loggable):
     oom_retries: int = 0
     search_seconds: float = 0.0
     unmanaged_bytes: int = 0
+    real_peak_bytes: int = 0
 
     def __str__(self) -> str:
         return (
@@ -91,4 +99,5 @@ def collect(rt) -> Stats:
         oom_retries=rt.oom_retries,
         search_seconds=core.search_seconds,
         unmanaged_bytes=rt.unmanaged_bytes,
+        real_peak_bytes=rt.kernel_meter.real_peak(),
     )

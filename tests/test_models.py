@@ -89,14 +89,26 @@ def _cudnn_dropout_state_bytes() -> int:
     return state.untyped_storage().nbytes()
 
 
+# The lowest fraction of its unbudgeted peak each model trains at. The CNN's lies higher:
+# its convolutions' backward kernels allocate buffers of their own (measured by the CPU
+# allocator's meter and made room for, so that the budget bounds real memory) as large as
+# two thirds of a budget of 0.3 of the peak.
+LOWEST = {"cnn": 0.4}
+
+
+def lowest(name: str) -> float:
+    return LOWEST.get(name, 0.3)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("ratio", [1.0, 0.5, 0.3])
+@pytest.mark.parametrize("ratio", [1.0, 0.5, "lowest"])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("name", MODELS)
 def test_budget_matches_eager(name, optimizer, ratio, device, engine):
     peak = _unbudgeted(name, optimizer, device, _on(engine, device))[0].stats.peak_resident_bytes
     fixed = _cudnn_dropout_state_bytes() * 3 if name == "lstm" and device == "cuda" else 0
     fixed = min(fixed, peak)
+    ratio = lowest(name) if ratio == "lowest" else ratio
     budget = fixed + int((peak - fixed) * ratio)
     kwargs = {"budget": budget, "cost_model": "roofline", "engine": engine}
     got = _check(name, optimizer, kwargs, device)
@@ -115,12 +127,12 @@ def test_stress_matches_eager(name, optimizer, device, engine):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_cores_and_engines_decide_alike_at_30_percent(name, monkeypatch):
+def test_cores_and_engines_decide_alike_at_the_lowest_budget(name, monkeypatch):
     # The same run on the subclass engine's C++ core, on its pure-Python twin and on the
     # native engine: same results, and the same decisions (the counters agree exactly
     # under the deterministic cost model).
     peak = _unbudgeted(name, "sgd", "cpu", "subclass")[0].stats.peak_resident_bytes
-    kwargs = {"budget": int(peak * 0.3), "cost_model": "roofline"}
+    kwargs = {"budget": int(peak * lowest(name)), "cost_model": "roofline"}
     runs = {"c++": _check(name, "sgd", {**kwargs, "engine": "subclass"}, "cpu").stats}
     if HAVE_NATIVE:
         runs["native"] = _check(name, "sgd", {**kwargs, "engine": "native"}, "cpu").stats
