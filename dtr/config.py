@@ -161,14 +161,16 @@ def _check_thrash(thrash: object) -> None:
         )
 
 
-def _thrash(options: Mapping[str, object], env: Mapping[str, str]) -> object:
-    """The thrash option (thrash=None: 0, no stop), else DTR_THRASH, else THRASH_DEFAULT."""
+def _thrash(options: Mapping[str, object], env: Mapping[str, str], stress: bool) -> object:
+    """The thrash option (thrash=None: 0, no stop), else DTR_THRASH, else THRASH_DEFAULT;
+    with stress, 0: stress mode recomputes every reuse by design, not for want of memory
+    (a 200-op model in it recomputes ~100 times its ops)."""
     if "thrash" in options:
         value = options["thrash"]
         return 0.0 if value is None else value
     raw = env.get(ENV_THRASH, "").strip()
     if not raw:
-        return THRASH_DEFAULT
+        return 0.0 if stress else THRASH_DEFAULT
     try:
         return float(raw)
     except ValueError:
@@ -350,5 +352,5 @@ def resolve(
         force_python=force_python(env),
         engine=engine,
         measure=measure,
-        thrash=_thrash(options, env),
+        thrash=_thrash(options, env, stress),
     )

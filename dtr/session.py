@@ -330,7 +330,7 @@ def enable(budget: object = None, heuristic: str | None = None, **options) -> Se
             (C++ per op, CPU tensors only; :mod:`dtr.native`) unless the machine has an
             accelerator or something else rules it out (dtr/engines.py), else on the
             subclass engine (this module's :class:`Session`, any device); "native" or
-            "subclass" choose one; ``thrash`` (or ``DTR_THRASH``; default 21): a step
+            "subclass" choose one; ``thrash`` (or ``DTR_THRASH``; default 21, 0 with stress): a step
             whose recomputations pass (thrash - 1) x its ops (at least 1000) raises
             BudgetError, the budget being too small to be met at any sensible cost
             (0 or None: recompute without limit). A block that ends with a

@@ -207,3 +207,42 @@ def test_caught_budget_error_leaves_resident_within_budget(engine, how):
     for _ in range(6):
         want = torch.tanh(want)
     assert_bitwise(got, want * 2, "value")
+
+
+def test_stress_mode_has_no_default_stop():
+    """Stress mode recomputes every reuse by design: no thrash stop unless asked for."""
+    assert _config.resolve(env={}, stress=True).thrash == 0
+    assert _config.resolve(env={}, stress=True, thrash=5).thrash == 5
+    assert _config.resolve(env={_config.ENV_THRASH: "5"}, stress=True).thrash == 5
+
+
+def test_mamba_failing_on_its_budget_stays_inside_memory(engine):
+    """Hugging Face's Mamba (bench.zoo's tiny config) at a budget where its backward
+    recomputes without end: it stops with a BudgetError, the block ends without
+    rebuilding the graph the program still holds (dtr would otherwise allocate ~17x the
+    budget), and that graph's backward after the block is refused, not wrong."""
+    pytest.importorskip("transformers")
+    from bench.zoo_models import ZOO
+
+    entry = ZOO["mamba"]
+    torch.manual_seed(0)
+    model = entry.build()
+    model.train()
+    batch = entry.batch(torch.Generator().manual_seed(1))
+    budget = int(3.8 * 2**20)
+    with quiet_stderr(), torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        with pytest.raises(dtr.BudgetError):
+            with open_session(engine, budget) as session:
+                loss = entry.loss(model, batch)
+                loss.backward()
+    _, peak = profiled_bytes(prof)
+    assert peak < budget * 1.2, format_bytes(peak)
+    stats = session.stats()
+    assert stats.remats <= (_config.THRASH_DEFAULT - 1) * max(stats.ops, 1000) + 1
+    # refused: by dtr, or by autograd where the failed backward had freed what it read
+    with pytest.raises(
+        RuntimeError, match="dtr: this tensor was evicted when|backward through the graph a second"
+    ):
+        loss.backward()
