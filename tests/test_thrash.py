@@ -246,3 +246,18 @@ def test_mamba_failing_on_its_budget_stays_inside_memory(engine):
         RuntimeError, match="dtr: this tensor was evicted when|backward through the graph a second"
     ):
         loss.backward()
+
+
+def test_python_core_stops_at_the_same_rerun(monkeypatch):
+    """The pure-Python core (DTR_FORCE_PYTHON) stops at the same recomputation as the
+    C++ one, with the same message."""
+    messages = []
+    for force in ("0", "1"):
+        monkeypatch.setenv(_config.ENV_FORCE_PYTHON, force)
+        x = torch.randn(SIZE, requires_grad=True)
+        with pytest.raises(dtr.BudgetError) as info:
+            with open_session("subclass", 6 * ACT, thrash=3) as session:
+                chain(x).sum().backward()
+        assert session.stats().core == ("python" if force == "1" else "c++")
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
