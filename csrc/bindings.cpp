@@ -88,6 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("evictions", &dtr::Core::evictions)
       .def_readonly("eager_evictions", &dtr::Core::eager_evictions)
       .def_readwrite("search_sample", &dtr::Core::search_sample)
+      .def_readwrite("thrash", &dtr::Core::thrash)
       .def_readwrite("request_stamps", &dtr::Core::request_stamps)
       .def_readonly("search_seconds", &dtr::Core::search_seconds);
   dtr::bind_fastpath(m);

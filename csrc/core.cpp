@@ -2,6 +2,7 @@
 #include "core.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -26,6 +27,20 @@ bool contains(const std::vector<int64_t>& v, int64_t x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
 }  // namespace
+
+std::string format_bytes(int64_t nbytes) {
+  if (nbytes < 1024) return std::to_string(nbytes) + " B";
+  double v = static_cast<double>(nbytes);
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
+  return buf;
+}
 
 const std::vector<std::string>& heuristic_names() {
   static const std::vector<std::string> names = {"dtr",      "dtr_eq",    "dtr_local", "lru",
@@ -812,6 +827,12 @@ int64_t Core::remat_step() {
       frames_.push_back(Frame{missing, {}});
       continue;
     }
+    if (thrashing()) {
+      // a program that catches the error starts a new allowance
+      const std::string msg = thrash_message();
+      step_remats_ = remats;
+      throw BudgetExceeded(msg);
+    }
     Frame& f = frames_.back();
     std::vector<int64_t> held = f.locks;
     const std::vector<int64_t> inputs = recipes_[rid].inputs;
@@ -990,7 +1011,36 @@ std::vector<int64_t> Core::end_step() {
     if (old_lineage(tid)) out.push_back(tid);
   }
   step += 1;
+  prev_ops_ = ops - step_ops_;
+  prev_peak_ = peak_bytes;
+  step_ops_ = ops;
+  step_remats_ = remats;
   return out;
+}
+
+bool Core::thrashing() const {
+  if (!(thrash > 1.0)) return false;
+  const int64_t base = std::max({ops - step_ops_, prev_ops_, kThrashFloor});
+  return static_cast<double>(remats - step_remats_) >= (thrash - 1.0) * static_cast<double>(base);
+}
+
+std::string Core::thrash_message() const {
+  char factor[32];
+  std::snprintf(factor, sizeof factor, "%g", thrash);
+  std::string previous = prev_ops_ < 0 ? "no step completed yet"
+                                       : "the previous step had " + std::to_string(prev_ops_) +
+                                             " ops and peaked at " + format_bytes(prev_peak_);
+  return "dtr: cannot stay within the memory budget of " +
+         (budget >= 0 ? format_bytes(budget) : std::string("unlimited")) +
+         ": recomputation is running away, " + std::to_string(remats - step_remats_) +
+         " recomputations in this step against its " + std::to_string(ops - step_ops_) +
+         " ops (" + previous + "), past the thrash limit (thrash=" + factor +
+         ": at most thrash - 1 recomputations per op, counted against at least " +
+         std::to_string(kThrashFloor) + " ops); " + format_bytes(resident_bytes) +
+         " resident, " + format_bytes(pinned_bytes()) +
+         " pinned. The budget is too small for this program: raise it (to at least the "
+         "peak of a step that completed without this stop), or pass thrash=0 (DTR_THRASH=0) "
+         "to recompute without limit.";
 }
 
 std::vector<int64_t> Core::alive() const {

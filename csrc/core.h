@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -34,6 +35,19 @@ enum Heuristic : int {
 };
 
 const std::vector<std::string>& heuristic_names();
+
+// The budget is given up on: no victim frees what an op needs, or recomputation runs
+// away (Core::thrash). dtr.BudgetError in Python (native.cpp's exception translator).
+struct BudgetExceeded : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// dtr.units.format_bytes: 1536 -> "1.50 KiB".
+std::string format_bytes(int64_t nbytes);
+
+// The thrash stop's smallest allowance, in ops: a short step (a few ops reading a long
+// lineage carried in) may recompute that lineage without being called a runaway.
+constexpr int64_t kThrashFloor = 1000;
 
 struct TensorRec {
   int64_t pool = -1;
@@ -157,6 +171,14 @@ class Core {
   int64_t evictions = 0;
   int64_t eager_evictions = 0;
   int64_t step = 0;  // steps closed by end_step()
+  // The thrash stop (dtr/NOTES.md, "Thrash stop"): with thrash > 1, a step reruns at
+  // most (thrash - 1) x max(its ops so far, the previous step's ops, kThrashFloor)
+  // recipes, and remat_step raises BudgetExceeded rather than start one more. The
+  // simulator's cap (replay.cpp: recomputation within (thrash - 1) x the baseline) in
+  // op counts, which are deterministic where costs are measured. 0: no stop.
+  double thrash = 0.0;
+  bool thrashing() const;
+  std::string thrash_message() const;
   // The paper's simulator's staleness clock (the simulator sets it for the prototype's
   // traces): a pool is stamped when an op or a rerun that reads it is requested (touch(),
   // and remat_step() for a rerun's inputs) and when an op creates it; never by a lock, by
@@ -214,6 +236,8 @@ class Core {
 
   int h_;
   uint64_t rng_;
+  // ops and remats when the step began; the previous step's ops and peak (-1: none yet)
+  int64_t step_ops_ = 0, step_remats_ = 0, prev_ops_ = -1, prev_peak_ = -1;
   std::vector<TensorRec> tensors_;
   std::vector<PoolRec> pools_;
   std::vector<RecipeRec> recipes_;

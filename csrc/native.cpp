@@ -78,6 +78,12 @@ const char* kEvictedMsg =
     "dtr: this tensor's value is evicted, and reading its memory directly (numpy(), tolist(), "
     "data_ptr(), torch.save) does not recompute it; run an op on it first (t.clone()) or "
     "read it after the block";
+// An evicted tensor the program still held when its block ended with a BudgetError
+// (Engine::close; dtr/runtime.py's LOST_MESSAGE is the same text).
+const char* kLostMsg =
+    "dtr: this tensor was evicted when its dtr.enable() block ended with a BudgetError, and "
+    "is not rebuilt after it (that would take memory past the budget); compute it again "
+    "(in a block with a larger budget)";
 
 std::mutex g_mu;                   // guards g_engine
 std::shared_ptr<Engine> g_engine;  // the open session's engine (one at a time)
@@ -134,11 +140,8 @@ bool contains(const std::vector<int64_t>& v, int64_t x) {
   return false;
 }
 
-// The budget cannot be met (everything evictable is evicted). Raised to Python as
-// dtr.BudgetError (a torch.OutOfMemoryError), converted where no engine lock is held.
-struct BudgetExceeded : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+// dtr::BudgetExceeded (core.h): raised to Python as dtr.BudgetError (a
+// torch.OutOfMemoryError), converted where no engine lock is held.
 
 // An op the engine does not serve on managed tensors: raised to Python as
 // dtr.UnsupportedError (a NotImplementedError), converted as BudgetExceeded is.
@@ -153,20 +156,6 @@ std::string py_name(const c10::FunctionSchema& schema) {
   const size_t colon = name.find("::");
   if (colon != std::string::npos) name.replace(colon, 2, ".");
   return name + "." + (schema.overload_name().empty() ? "default" : schema.overload_name());
-}
-
-std::string format_bytes(int64_t nbytes) {  // dtr.units.format_bytes
-  if (nbytes < 1024) return std::to_string(nbytes) + " B";
-  double v = static_cast<double>(nbytes);
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
-  return buf;
 }
 
 // A managed tensor's identity. Every NativeImpl naming the same core tensor (an op's
@@ -938,7 +927,10 @@ struct Engine : std::enable_shared_from_this<Engine> {
         values[m] = over(values[m], fresh);
   }
 
-  void close() {
+  // rebuild: everything still held is materialized (read after the block), with the
+  // budget lifted. Without it (the block ends with a BudgetError: rebuilding could take
+  // many times the budget) what is evicted stays so, and reading it raises kLostMsg.
+  void close(bool rebuild = true) {
     std::lock_guard<std::recursive_mutex> g(mu);
     if (!open) return;
     std::exception_ptr error;  // the engine closes whatever happens (an interrupt, OOM)
@@ -948,11 +940,18 @@ struct Engine : std::enable_shared_from_this<Engine> {
       // The session's peaks are those of the block: what is materialized below, with the
       // budget lifted, is the program's after it (Runtime.closing_peaks).
       closing_peaks = {core.peak_bytes, core.max_bytes};
-      // Everything still held is materialized (read after the block); then no lineage.
-      core.budget = -1;
+      if (rebuild) {  // nor a thrash stop: the budget lifted, rebuilding is bounded
+        core.budget = -1;
+        core.thrash = 0;
+      }
       for (int64_t t : core.alive())
         if (t < static_cast<int64_t>(values.size()) && values[t].defined() &&
             !core.is_materialized(t) && !core.is_constant(t)) {
+          if (!rebuild) {
+            values[t].storage().unsafeGetStorageImpl()
+                ->release_data_and_set_meta_custom_data_ptr_error_msg_(std::string(kLostMsg));
+            continue;
+          }
           core.lock(t);
           rematerialize(t);
           core.unlock(t);
@@ -1820,7 +1819,10 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     if (!ok) {  // the op's fresh outputs are what was asked for (Runtime._settle)
       int64_t requested = 0;
       for (int64_t b : nbytes) requested += b;
-      throw BudgetExceeded(e.budget_message(requested, "running " + py_name(schema)));
+      std::string msg = e.budget_message(requested, "running " + py_name(schema));
+      core.make_room(0);  // its outputs, unlocked now, can go (Runtime._budget_error)
+      e.drain();
+      throw BudgetExceeded(msg);
     }
     if (e.stress) {  // every later read recomputes (Runtime._settle)
       core.evict_all();
@@ -2141,7 +2143,7 @@ void bind(py::module_& m) {
              g_engine = self;
            })
       .def("close",
-           [](std::shared_ptr<Engine> self) {
+           [](std::shared_ptr<Engine> self, bool rebuild) {
              auto deactivate = [&] {
                std::lock_guard<std::mutex> g(g_mu);
                if (g_engine == self) g_engine.reset();
@@ -2150,7 +2152,7 @@ void bind(py::module_& m) {
                // without the GIL: an op holding the engine's lock may need it (a tensor
                // whose Python object it frees)
                py::gil_scoped_release nogil;
-               self->close();
+               self->close(rebuild);
              } catch (...) {
                deactivate();
                self->leaf_hook = py::object();
@@ -2158,7 +2160,8 @@ void bind(py::module_& m) {
              }
              deactivate();
              self->leaf_hook = py::object();
-           })
+           },
+           py::arg("rebuild") = true)
       .def(
           "set_budget",
           [](Engine& e, int64_t nbytes) {  // -1: none
@@ -2178,6 +2181,9 @@ void bind(py::module_& m) {
                                         e.core.search_sample, e.seed, e.core.min_evict_bytes);
           },
           py::arg("path"), py::arg("cost_model"))
+      .def_property(
+          "thrash", [](Engine& e) { return e.core.thrash; },
+          [](Engine& e, double f) { e.core.thrash = f; })
       .def_property(
           "search_sample", [](Engine& e) { return e.core.search_sample; },
           [](Engine& e, int64_t n) { e.core.search_sample = n; })

@@ -56,4 +56,5 @@ def make_core(config: DTRConfig, budget: int):
     cls, kind = core_class(config.force_python)
     core = cls(config.heuristic, budget, config.seed, config.min_evict_bytes)
     core.search_sample = config.search_sample
+    core.thrash = float(config.thrash)
     return core, kind

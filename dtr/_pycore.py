@@ -25,6 +25,9 @@ from __future__ import annotations
 import math
 import time
 
+from .errors import BudgetError
+from .units import format_bytes
+
 HEURISTICS = (
     "dtr",
     "dtr_eq",
@@ -40,6 +43,9 @@ HEURISTICS = (
 # What dtr.enable() evicts by when no heuristic is given: the paper's h_DTR with the
 # neighbourhood the program still holds (README "Heuristics" gives the measurements).
 DEFAULT_HEURISTIC = "dtr_held"
+
+# The thrash stop's smallest allowance, in ops (Core.thrash; csrc/core.h kThrashFloor).
+THRASH_FLOOR = 1000
 
 # Output kinds for record(): a fresh storage, a view of an input, or a new version of a
 # tensor mutated in place (Invariant 4: the old value keeps its lineage).
@@ -168,6 +174,13 @@ class PyCore:
         self.evictions = 0
         self.eager_evictions = 0
         self.step = 0  # steps closed by end_step()
+        # The thrash stop (dtr/NOTES.md, "Thrash stop"): with thrash > 1, a step reruns at
+        # most (thrash - 1) x max(its ops so far, the previous step's ops, THRASH_FLOOR)
+        # recipes, and remat_step raises BudgetError rather than start one more. 0: no stop.
+        self.thrash = 0.0
+        # ops and remats when the step began; the previous step's ops and peak (-1: none)
+        self._step_ops = self._step_remats = 0
+        self._prev_ops = self._prev_peak = -1
 
     # ------------------------------------------------------------------ allocation
     def _new_tensor(self, pool: int, recipe: int, ext: int, mat: bool) -> int:
@@ -789,6 +802,11 @@ class PyCore:
             if missing >= 0:
                 frames.append(_Frame(missing))
                 continue
+            if self.thrashing():
+                # a program that catches the error starts a new allowance
+                msg = self.thrash_message()
+                self._step_remats = self.remats
+                raise BudgetError(msg)
             held = list(f.locks)
             for i in r.inputs:
                 if i in held:
@@ -988,7 +1006,37 @@ class PyCore:
             and old_lineage(tid)
         ]
         self.step += 1
+        self._prev_ops = self.ops - self._step_ops
+        self._prev_peak = self.peak_bytes
+        self._step_ops = self.ops
+        self._step_remats = self.remats
         return out
+
+    def thrashing(self) -> bool:
+        if not self.thrash > 1.0:
+            return False
+        base = max(self.ops - self._step_ops, self._prev_ops, THRASH_FLOOR)
+        return float(self.remats - self._step_remats) >= (self.thrash - 1.0) * float(base)
+
+    def thrash_message(self) -> str:
+        previous = (
+            "no step completed yet"
+            if self._prev_ops < 0
+            else f"the previous step had {self._prev_ops} ops and peaked at "
+            f"{format_bytes(self._prev_peak)}"
+        )
+        budget = format_bytes(self.budget if self.budget >= 0 else None)
+        return (
+            f"dtr: cannot stay within the memory budget of {budget}: recomputation is "
+            f"running away, {self.remats - self._step_remats} recomputations "
+            f"in this step against its {self.ops - self._step_ops} ops ({previous}), past "
+            f"the thrash limit (thrash={self.thrash:g}: at most thrash - 1 recomputations "
+            f"per op, counted against at least {THRASH_FLOOR} ops); "
+            f"{format_bytes(self.resident_bytes)} resident, "
+            f"{format_bytes(self.pinned_bytes())} pinned. The budget is too small for this "
+            "program: raise it (to at least the peak of a step that completed without this "
+            "stop), or pass thrash=0 (DTR_THRASH=0) to recompute without limit."
+        )
 
     def alive(self) -> list[int]:
         """Managed tensors the program still holds."""

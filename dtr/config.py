@@ -8,6 +8,7 @@ message naming the variable or argument, the value, and what is accepted.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ ENV_TRACE = "DTR_TRACE"
 ENV_LOG_STEPS = "DTR_LOG_STEPS"
 ENV_ENGINE = "DTR_ENGINE"
 ENV_MEASURE = "DTR_MEASURE"
+ENV_THRASH = "DTR_THRASH"
 
 # "auto" (the default: the native engine unless the machine has an accelerator, ...);
 # "native": managed tensors as a C++ TensorImpl, every op through one C++ fallback (CPU
@@ -45,6 +47,10 @@ MEASURES = ("dtr", "allocator")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
+
+# The thrash stop (Core.thrash, dtr/NOTES.md "Thrash stop"): a step may recompute at most
+# (thrash - 1) x its op count (at least the previous step's, and 1000) before dtr.BudgetError.
+THRASH_DEFAULT = 21.0
 
 # Exact victim search up to this many evictable pools, sampled beyond (bench/search_scaling
 # and dtr/NOTES.md "Victim search" for the measurements behind the number).
@@ -74,6 +80,8 @@ class DTRConfig:
         engine: the engine that runs the session, "native" or "subclass" (dtr.enable()
             resolves "auto" to one of them; see dtr/engines.py).
         measure: "dtr" or "allocator" (see MEASURES).
+        thrash: the thrash stop: a step whose recomputations pass (thrash - 1) x its
+            ops raises BudgetError (THRASH_DEFAULT); 0 never stops.
     """
 
     budget_bytes: int | None = None
@@ -90,6 +98,7 @@ class DTRConfig:
     log_steps: bool = False
     engine: str = "subclass"
     measure: str = "dtr"
+    thrash: float = THRASH_DEFAULT
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and (
@@ -121,6 +130,7 @@ class DTRConfig:
             raise ConfigError(
                 f"dtr: unknown measure {self.measure!r}; valid: {', '.join(MEASURES)}"
             )
+        _check_thrash(self.thrash)
         for name in ("stress", "check", "force_python", "log_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"dtr: option {name} must be a bool, got {getattr(self, name)!r}")
@@ -136,6 +146,38 @@ class DTRConfig:
                     f"dtr: option {name} must be an int from 0 to {MAX_BYTES} (2**63 - 1), "
                     f"got {value!r}"
                 )
+
+
+def _check_thrash(thrash: object) -> None:
+    if (
+        isinstance(thrash, bool)
+        or not isinstance(thrash, (int, float))
+        or not (thrash == 0 or (math.isfinite(thrash) and thrash > 1))
+    ):
+        raise ConfigError(
+            f"dtr: thrash must be a finite number > 1 (a step may recompute thrash - 1 "
+            f"times its ops), or 0 or None for no thrash stop, got {thrash!r} "
+            f"(option thrash or {ENV_THRASH})"
+        )
+
+
+def _thrash(options: Mapping[str, object], env: Mapping[str, str], stress: bool) -> object:
+    """The thrash option (thrash=None: 0, no stop), else DTR_THRASH, else THRASH_DEFAULT;
+    with stress, 0: stress mode recomputes every reuse by design, not for want of memory
+    (tests/test_native.py's 224-op transformer: ~90 recomputations per op)."""
+    if "thrash" in options:
+        value = options["thrash"]
+        return 0.0 if value is None else value
+    raw = env.get(ENV_THRASH, "").strip()
+    if not raw:
+        return 0.0 if stress else THRASH_DEFAULT
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(
+            f"dtr: environment variable {ENV_THRASH}={raw!r} must be a number > 1, or 0 "
+            "for no thrash stop"
+        ) from None
 
 
 def _check_trace_path(trace: str) -> None:
@@ -163,6 +205,7 @@ OPTIONS = (
     "log_steps",
     "engine",
     "measure",
+    "thrash",
 )
 TIMELINE_DEFAULT = 1_000_000  # timeline=True: ~100 MB of Python objects at most
 
@@ -309,4 +352,5 @@ def resolve(
         force_python=force_python(env),
         engine=engine,
         measure=measure,
+        thrash=_thrash(options, env, stress),
     )

@@ -74,6 +74,15 @@ class BudgetError(DTRError, torch.OutOfMemoryError):
     PREFIX = "dtr: cannot stay within the memory budget"  # how each engine's message starts
 
 
+def is_budget_error(exc: BaseException | None) -> bool:
+    """exc is a BudgetError, or one that reached the program as another type (the
+    native engine's, through autograd's engine or TorchScript: a RuntimeError with its
+    message)."""
+    if isinstance(exc, BudgetError):
+        return True
+    return isinstance(exc, RuntimeError) and BudgetError.PREFIX in str(exc)
+
+
 class UnsupportedError(DTRError, NotImplementedError):
     """An operation dtr does not support on managed tensors (the message says which)."""
 

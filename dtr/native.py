@@ -179,6 +179,7 @@ class NativeSession:
         engine.stress = cfg.stress
         engine.check_each_op = cfg.check
         engine.search_sample = cfg.search_sample
+        engine.thrash = float(cfg.thrash)
         engine.min_evict_bytes = cfg.min_evict_bytes
         engine.timeline_limit = cfg.timeline
         if cfg.trace is not None:
@@ -227,7 +228,8 @@ class NativeSession:
         finally:
             try:
                 if self._engine is not None:
-                    self._engine.close()
+                    # After a BudgetError, what is evicted stays so (Engine::close)
+                    self._engine.close(rebuild=not errors.is_budget_error(exc[1]))
             finally:
                 if _open is self:
                     _open = None
@@ -390,7 +392,7 @@ def enable(
             ``DTR_TRACE``); ``timeline=True`` keeps resident bytes per op for
             :meth:`NativeSession.timeline`; ``log_steps=True`` logs a summary per
             optimizer step (:meth:`NativeSession.end_step`); ``seed``,
-            ``min_evict_bytes`` and ``search_sample`` as dtr.enable's.
+            ``min_evict_bytes``, ``search_sample`` and ``thrash`` as dtr.enable's.
     """
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:

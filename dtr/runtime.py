@@ -1152,7 +1152,7 @@ class Runtime(Driver):
         core = self.core
         rows = core.largest_pinned(5)
         largest = ", ".join(f"{self._describe(t)} {format_bytes(b)}" for t, b in rows)
-        return BudgetError(
+        error = BudgetError(
             f"dtr: cannot stay within the memory budget of "
             f"{format_bytes(self.config.budget_bytes)} while {what}: "
             f"{format_bytes(core.resident_bytes)} resident, {format_bytes(requested)} "
@@ -1162,6 +1162,12 @@ class Runtime(Driver):
             f"Largest unevictable: {largest or 'none'}. Raise the budget or reduce the "
             f"batch size."
         )
+        # A program that catches the error goes on within the budget: what the failed op
+        # made past it (its outputs, locked while the budget was being met) is evicted now,
+        # not at its next op.
+        core.make_room(0)
+        self.drain()
+        return error
 
     def _unmanaged_note(self) -> str:
         if self.meter is None:
@@ -1173,13 +1179,15 @@ class Runtime(Driver):
             f"leaving {format_bytes(self.core.budget)} for what it does."
         )
 
-    def close(self) -> None:
+    def close(self, rebuild: bool = True) -> None:
         """End of the block: materialize everything the program still holds, so that it
-        reads back correctly afterwards, then forget all lineage."""
+        reads back correctly afterwards, then forget all lineage. Without rebuild (the
+        block ends with a BudgetError: rebuilding could take many times the budget) what
+        is evicted stays so, and reading it raises LOST_MESSAGE (materialize_ref)."""
         interrupted = None
         with self.lock, internal():
             try:
-                while True:
+                while rebuild:
                     try:
                         self._materialize_held()
                         break
@@ -1223,6 +1231,7 @@ class Runtime(Driver):
         if self.closing_peaks is None:
             self.closing_peaks = (self.session_peak(), self.transient_peak())
         self.core.budget = -1
+        self.core.thrash = 0.0  # the budget lifted, rebuilding is bounded
         for tid in self.core.alive():
             node = self.nodes[tid] if tid < len(self.nodes) else None
             if node is not None and node.value is None:
@@ -1387,11 +1396,17 @@ def materialize_ref(ref: Ref, export: bool = False) -> torch.Tensor:
         return rt.export(ref) if export else rt.read(ref)
     value = ref.node.value
     if value is None:
-        raise DTRError(
-            "dtr: this tensor was evicted and could not be recomputed when its "
-            "dtr.enable() block ended"
-        )
+        raise DTRError(LOST_MESSAGE)
     return value
+
+
+# An evicted tensor the program still held when its block ended with a BudgetError, or
+# whose recomputation failed when it ended (csrc/native.cpp's kLostMsg is the same text).
+LOST_MESSAGE = (
+    "dtr: this tensor was evicted when its dtr.enable() block ended with a BudgetError, and "
+    "is not rebuilt after it (that would take memory past the budget); compute it again "
+    "(in a block with a larger budget)"
+)
 
 
 def dispatch_without_mode(func, args: tuple, kwargs: dict):

@@ -195,7 +195,8 @@ class Session:
             finally:
                 self._mode.__dict__.pop("__torch_dispatch__", None)  # holds the fast path
                 try:
-                    self._runtime.close()
+                    # After a BudgetError, what is evicted stays so (Runtime.close)
+                    self._runtime.close(rebuild=not errors.is_budget_error(exc))
                 finally:
                     rt = self._runtime
                     self._final = collect(rt)
@@ -329,7 +330,12 @@ def enable(budget: object = None, heuristic: str | None = None, **options) -> Se
             (C++ per op, CPU tensors only; :mod:`dtr.native`) unless the machine has an
             accelerator or something else rules it out (dtr/engines.py), else on the
             subclass engine (this module's :class:`Session`, any device); "native" or
-            "subclass" choose one.
+            "subclass" choose one; ``thrash`` (or ``DTR_THRASH``; default 21, 0 with stress): a step
+            whose recomputations pass (thrash - 1) x its ops (at least 1000) raises
+            BudgetError, the budget being too small to be met at any sensible cost
+            (0 or None: recompute without limit). A block that ends with a
+            BudgetError does not rebuild what it evicted: reading it afterwards raises
+            a dtr: error.
 
     Returns:
         A :class:`Session` (a :class:`dtr.native.NativeSession` for the native engine,
