@@ -50,9 +50,17 @@ class KernelMeter:
         self._closing_peak = 0
         try:
             self._C = importlib.import_module("dtr._C")
-            self._C.cpu_cache_attach(0)
-        except (ImportError, AttributeError):
+        except ImportError:
             self._C = None
+            return
+        try:
+            self._C.cpu_cache_attach(0)
+        except RuntimeError:
+            # Left attached by a session whose entry was interrupted between the attach
+            # and the runtime's hand-over to it (a signal can land on any line): no
+            # session is open here (Session.__enter__ checked), so it is no one's.
+            self._C.cpu_cache_detach()
+            self._C.cpu_cache_attach(0)
 
     def mark(self) -> int:
         return -1 if self._C is None else self._C.cpu_cache_window_mark()
