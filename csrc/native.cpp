@@ -35,6 +35,7 @@
 #include "cpu_cache.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <ATen/core/enum_tag.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -290,13 +291,15 @@ at::Tensor copy_storage(const at::Tensor& t) {
   return over(t, bytes.clone().storage());
 }
 
-// A storage of nbytes holding nothing, that reports kEvictedMsg when read. Resizable, as
-// the storage a kernel makes is: an out= op recomputed in it may resize it.
-c10::Storage empty_storage(size_t nbytes, c10::Device device) {
+// A storage of nbytes holding nothing, that reports kEvictedMsg when read (guarded; else
+// its data pointer reads as null). Resizable, as the storage a kernel makes is: an out= op
+// recomputed in it may resize it.
+c10::Storage empty_storage(size_t nbytes, c10::Device device, bool guarded = true) {
   c10::Storage s(c10::Storage::use_byte_size_t(), nbytes, at::DataPtr(nullptr, device),
                  c10::GetAllocator(device.type()), /*resizable=*/true);
-  s.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
-      std::string(kEvictedMsg));
+  if (guarded)
+    s.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
+        std::string(kEvictedMsg));
   return s;
 }
 
@@ -1073,6 +1076,88 @@ inline NativeImpl* as_native(const at::Tensor& t) {
 // tensor of another session).
 at::Tensor plain_view(const at::Tensor& t) { return over(t, t.storage()); }
 
+// ---------------------------------------------------------------- torch.profiler
+// torch.profiler(record_shapes=True) reads the data pointer of every tensor input in its
+// RecordFunction start callback (RawTensorMetadata: t.storage().data()). An evicted
+// value's storage raises kEvictedMsg on that read: the guard that keeps C++ code from
+// reading freed memory directly. The profiler needs only the address (null: no memory),
+// so while a session is open a global RecordFunction callback of dtr's lifts the guard
+// on the evicted storages of a range's managed inputs when the range records inputs, just
+// before the profiler's callback reads them (a global callback runs before the
+// thread-local ones torch.profiler adds), and puts it back at the first of: the next
+// range starting on this thread, the engine serving an op, this range's end. In that
+// window only the other callbacks and the op's kernels above dtr's run (autograd's, which
+// read metadata, and composites, whose ops start ranges of their own; the composites
+// that read memory read their arguments' values first, read_values_first); the guard is
+// put back under the engine's lock, so the engine's evictions and recomputations (which
+// set and clear it) are never undone.
+namespace profiled {
+
+struct Lifted {
+  c10::Storage storage;
+  std::optional<std::string> msg;
+};
+thread_local std::vector<Lifted> t_lifted;  // this thread's lifted guards
+std::mutex g_handle_mu;
+std::optional<at::CallbackHandle> g_handle;
+
+void restore_guards() {
+  if (t_lifted.empty()) return;
+  std::shared_ptr<Engine> e = active();
+  std::unique_lock<std::recursive_mutex> g;
+  if (e) g = std::unique_lock<std::recursive_mutex>(e->mu);
+  for (Lifted& l : t_lifted) {
+    c10::StorageImpl* s = l.storage.unsafeGetStorageImpl();
+    const bool guarded = s->get_extra_meta().custom_data_ptr_error_msg_.has_value();
+    // recomputed since (memory back), or evicted again (guarded again): nothing to undo
+    if (s->_mutable_data_ptr_no_checks().get() == nullptr && !guarded)
+      s->release_data_and_set_meta_custom_data_ptr_error_msg_(std::move(l.msg));
+  }
+  t_lifted.clear();
+}
+
+void lift_guard(const at::Tensor& t) {
+  if (as_native(t) == nullptr) return;
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->_mutable_data_ptr_no_checks().get() != nullptr) return;  // resident
+  std::shared_ptr<Engine> e = active();
+  std::unique_lock<std::recursive_mutex> g;
+  if (e) g = std::unique_lock<std::recursive_mutex>(e->mu);
+  auto& msg = s->get_extra_meta().custom_data_ptr_error_msg_;
+  if (s->_mutable_data_ptr_no_checks().get() != nullptr || !msg) return;
+  t_lifted.push_back({t.storage(), msg});
+  s->clear_data_ptr_access_error_msg_();
+}
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  restore_guards();
+  if (!fn.needsInputs()) return nullptr;  // no callback reads the inputs
+  for (const c10::IValue& v : fn.inputs()) {
+    if (v.isTensor()) {
+      lift_guard(v.toTensor());
+    } else if (v.isList()) {
+      for (const c10::IValue& x : v.toListRef())
+        if (x.isTensor()) lift_guard(x.toTensor());
+    }
+  }
+  return nullptr;
+}
+
+void on_end(const at::RecordFunction&, at::ObserverContext*) { restore_guards(); }
+
+void install() {
+  std::lock_guard<std::mutex> g(g_handle_mu);
+  if (!g_handle) g_handle = at::addGlobalCallback(at::RecordFunctionCallback(&on_start, &on_end));
+}
+
+void remove() {
+  std::lock_guard<std::mutex> g(g_handle_mu);
+  if (g_handle) at::removeCallback(*g_handle);
+  g_handle.reset();
+}
+
+}  // namespace profiled
+
 // A managed tensor's value handed out as a plain tensor over the same storage, to live on
 // outside the engine (a gradient in .grad, numpy(), data_ptr(): Runtime.export). The
 // memory can be written from now on with no op the engine sees (a NumPy array, ctypes), so
@@ -1386,6 +1471,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   const size_t begin = stack->size() - n;
+  profiled::restore_guards();
   std::shared_ptr<Engine> eng = active();
   std::vector<Leaf> leaves;
   bool managed = false, foreign = false, wants = false;
@@ -1484,11 +1570,13 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     if (facts.meta_only) {
       // empty_like(x) and kin (Runtime._run_meta_only): x's value is neither read nor kept,
       // by this call or its recomputation, so they get a stand-in with x's metadata and
-      // no data (a kernel reading it would raise kEvictedMsg)
+      // no data. Its data pointer is a plain null, not guarded: the stand-in reaches only
+      // this kMetaOnly kernel, which reads no data (and is never recorded), and the
+      // profiler's range around that call reads the pointer of every input.
       for (size_t k = 0; k < leaves.size(); ++k) {
         const at::Tensor& t = leaves[k].tensor;
         if (!t.defined()) continue;
-        passed[k] = over(t, empty_storage(t.storage().nbytes(), t.device()));
+        passed[k] = over(t, empty_storage(t.storage().nbytes(), t.device(), false));
         set_item((*stack)[begin + leaves[k].arg], leaves[k].item, passed[k]);
       }
     }
@@ -2139,12 +2227,17 @@ void bind(py::module_& m) {
              if (g_engine && g_engine->open)
                throw std::runtime_error("dtr: a native session is already open");
              g_engine = self;
+             profiled::install();
            })
       .def("close",
            [](std::shared_ptr<Engine> self) {
              auto deactivate = [&] {
-               std::lock_guard<std::mutex> g(g_mu);
-               if (g_engine == self) g_engine.reset();
+               {
+                 std::lock_guard<std::mutex> g(g_mu);
+                 if (g_engine != self) return;
+                 g_engine.reset();
+               }
+               profiled::remove();
              };
              try {
                // without the GIL: an op holding the engine's lock may need it (a tensor
