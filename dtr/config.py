@@ -74,6 +74,9 @@ class DTRConfig:
         engine: the engine that runs the session, "native" or "subclass" (dtr.enable()
             resolves "auto" to one of them; see dtr/engines.py).
         measure: "dtr" or "allocator" (see MEASURES).
+        cache_bytes: the idle bytes the native engine's CPU allocation cache may keep
+            (0: none), or None for its default (dtr.native.DEFAULT_CACHE). The native
+            engine's own option: the subclass engine runs on PyTorch's allocator.
     """
 
     budget_bytes: int | None = None
@@ -90,6 +93,7 @@ class DTRConfig:
     log_steps: bool = False
     engine: str = "subclass"
     measure: str = "dtr"
+    cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and (
@@ -120,6 +124,12 @@ class DTRConfig:
         if self.measure not in MEASURES:
             raise ConfigError(
                 f"dtr: unknown measure {self.measure!r}; valid: {', '.join(MEASURES)}"
+            )
+        if self.cache_bytes is not None and self.engine != "native":
+            raise ConfigError(
+                f"dtr: option cache sizes the native engine's CPU allocation cache; the "
+                f"{self.engine} engine has none (it allocates through PyTorch's allocator): "
+                "drop cache, or pass engine='native'"
             )
         for name in ("stress", "check", "force_python", "log_steps"):
             if not isinstance(getattr(self, name), bool):
@@ -163,6 +173,7 @@ OPTIONS = (
     "log_steps",
     "engine",
     "measure",
+    "cache",  # the native engine's only (DTRConfig.cache_bytes)
 )
 TIMELINE_DEFAULT = 1_000_000  # timeline=True: ~100 MB of Python objects at most
 
@@ -289,6 +300,8 @@ def resolve(
     if measure == "allocator":
         _device.allocator_meter()  # no CUDA: a ConfigError now, at enable() time
     engine = _engine(options.get("engine"), env, force_python(env), measure)
+    cache = options.get("cache")
+    cache_bytes = None if cache is None else 0 if cache == 0 else parse_budget(cache, "cache")
     timeline = options.get("timeline", 0)
     if timeline is True:
         timeline = TIMELINE_DEFAULT
@@ -309,4 +322,5 @@ def resolve(
         force_python=force_python(env),
         engine=engine,
         measure=measure,
+        cache_bytes=cache_bytes,
     )
