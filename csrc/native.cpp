@@ -139,7 +139,27 @@ bool contains(const std::vector<int64_t>& v, int64_t x) {
 // dtr.BudgetError (a torch.OutOfMemoryError), converted where no engine lock is held.
 struct BudgetExceeded : std::runtime_error {
   using std::runtime_error::runtime_error;
+  // What dtr.errors.budget_advice words the message's advice from (budget < 0: no advice)
+  BudgetExceeded(const std::string& msg, int64_t budget, int64_t constants, std::string what,
+                 int64_t requested)
+      : std::runtime_error(msg),
+        budget(budget),
+        constants(constants),
+        requested(requested),
+        what_for(std::move(what)) {}
+  int64_t budget = -1, constants = 0, requested = 0;
+  std::string what_for;
 };
+
+// The whole message: the numbers, then dtr.errors.budget_advice's advice (one wording for
+// both engines). Called where the error goes to Python, with no engine lock held.
+std::string budget_text(const BudgetExceeded& b) {
+  std::string text = b.what();
+  if (b.budget < 0) return text;
+  py::gil_scoped_acquire gil;
+  py::object advice = py::module_::import("dtr.errors").attr("budget_advice");
+  return text + advice(b.budget, b.constants, b.what_for, b.requested).cast<std::string>();
+}
 
 // An op the engine does not serve on managed tensors: raised to Python as
 // dtr.UnsupportedError (a NotImplementedError), converted as BudgetExceeded is.
@@ -747,7 +767,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
   }
 
   // Runtime._budget_error's message: the numbers, and what cannot be evicted.
-  std::string budget_message(int64_t requested, const std::string& what) const {
+  BudgetExceeded budget_error(int64_t requested, const std::string& what) const {
     std::string largest;
     for (auto [t, nbytes] : core.largest_pinned(5)) {
       if (!largest.empty()) largest += ", ";
@@ -762,14 +782,15 @@ struct Engine : std::enable_shared_from_this<Engine> {
       }
       largest += name + " " + format_bytes(nbytes);
     }
-    return "dtr: cannot stay within the memory budget of " + format_bytes(core.budget) + " while " +
-           what + ": " + format_bytes(core.resident_bytes) + " resident, " +
-           format_bytes(requested) + " requested, " + format_bytes(core.pinned_bytes()) +
-           " pinned (constants and tensors that cannot be recomputed) and " +
-           format_bytes(core.locked_bytes()) +
-           " locked by the running op, none of which can be evicted. Largest unevictable: " +
-           (largest.empty() ? std::string("none") : largest) +
-           ". Raise the budget or reduce the batch size.";
+    return BudgetExceeded(
+        "dtr: cannot stay within the memory budget of " + format_bytes(core.budget) + " while " +
+            what + ": " + format_bytes(core.resident_bytes) + " resident, " +
+            format_bytes(requested) + " requested, " + format_bytes(core.pinned_bytes()) +
+            " pinned (constants and tensors that cannot be recomputed) and " +
+            format_bytes(core.locked_bytes()) +
+            " locked by the running op, none of which can be evicted. Largest unevictable: " +
+            (largest.empty() ? std::string("none") : largest) + ".",
+        core.budget, core.constant_bytes(), what, requested);
   }
 
   // A value the program reads or takes out of the engine (value_copy, export_value):
@@ -795,8 +816,8 @@ struct Engine : std::enable_shared_from_this<Engine> {
           [&](int64_t rid, int64_t need) {
             const Recipe* rec =
                 rid < static_cast<int64_t>(recipes.size()) ? &recipes[rid] : nullptr;
-            throw BudgetExceeded(budget_message(
-                need, "recomputing " + (rec && rec->op ? py_name(rec->op->schema()) : "a tensor")));
+            throw budget_error(
+                need, "recomputing " + (rec && rec->op ? py_name(rec->op->schema()) : "a tensor"));
           },
           [&] { drain(); });
     } catch (...) {
@@ -1908,7 +1929,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     if (!ok) {  // the op's fresh outputs are what was asked for (Runtime._settle)
       int64_t requested = 0;
       for (int64_t b : nbytes) requested += b;
-      throw BudgetExceeded(e.budget_message(requested, "running " + py_name(schema)));
+      throw e.budget_error(requested, "running " + py_name(schema));
     }
     if (e.stress) {  // every later read recomputes (Runtime._settle)
       core.evict_all();
@@ -1941,7 +1962,7 @@ void with_python_errors(F&& f) {
   try {
     f();
   } catch (const BudgetExceeded& b) {
-    raise_python("BudgetError", b.what());
+    raise_python("BudgetError", budget_text(b).c_str());
   } catch (const Unsupported& u) {
     raise_python("UnsupportedError", u.what());
   }
@@ -2073,7 +2094,7 @@ void read_values_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
         if (iv.isTensor() && as_native(iv.toTensor())) iv = value_copy(iv.toTensor());
       }
     } catch (const BudgetExceeded& b) {
-      raise_python("BudgetError", b.what());
+      raise_python("BudgetError", budget_text(b).c_str());
     } catch (const Unsupported& u) {
       raise_python("UnsupportedError", u.what());
     }
@@ -2124,7 +2145,7 @@ void collective(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
           eng->writes_to_plain(t);
       });
     } catch (const BudgetExceeded& b) {
-      raise_python("BudgetError", b.what());
+      raise_python("BudgetError", budget_text(b).c_str());
     } catch (const Unsupported& u) {
       raise_python("UnsupportedError", u.what());
     }
@@ -2205,7 +2226,7 @@ void bind(py::module_& m) {
       if (p) std::rethrow_exception(p);
     } catch (const BudgetExceeded& b) {
       py::object cls = py::module_::import("dtr.errors").attr("BudgetError");
-      PyErr_SetString(cls.ptr(), b.what());
+      PyErr_SetString(cls.ptr(), budget_text(b).c_str());
     } catch (const Unsupported& u) {
       py::object cls = py::module_::import("dtr.errors").attr("UnsupportedError");
       PyErr_SetString(cls.ptr(), u.what());
