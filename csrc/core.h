@@ -40,6 +40,16 @@ const std::vector<std::string>& heuristic_names();
 // away (Core::thrash). dtr.BudgetError in Python (native.cpp's exception translator).
 struct BudgetExceeded : std::runtime_error {
   using std::runtime_error::runtime_error;
+  // What dtr.errors.budget_advice words the message's advice from (budget < 0: no advice)
+  BudgetExceeded(const std::string& msg, int64_t budget, int64_t constants, std::string what,
+                 int64_t requested)
+      : std::runtime_error(msg),
+        budget(budget),
+        constants(constants),
+        requested(requested),
+        what_for(std::move(what)) {}
+  int64_t budget = -1, constants = 0, requested = 0;
+  std::string what_for;
 };
 
 // dtr.units.format_bytes: 1536 -> "1.50 KiB".

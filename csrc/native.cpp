@@ -35,6 +35,7 @@
 #include "cpu_cache.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <ATen/core/enum_tag.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -142,6 +143,16 @@ bool contains(const std::vector<int64_t>& v, int64_t x) {
 
 // dtr::BudgetExceeded (core.h): raised to Python as dtr.BudgetError (a
 // torch.OutOfMemoryError), converted where no engine lock is held.
+
+// The whole message: the numbers, then dtr.errors.budget_advice's advice (one wording for
+// both engines). Called where the error goes to Python, with no engine lock held.
+std::string budget_text(const BudgetExceeded& b) {
+  std::string text = b.what();
+  if (b.budget < 0) return text;
+  py::gil_scoped_acquire gil;
+  py::object advice = py::module_::import("dtr.errors").attr("budget_advice");
+  return text + advice(b.budget, b.constants, b.what_for, b.requested).cast<std::string>();
+}
 
 // An op the engine does not serve on managed tensors: raised to Python as
 // dtr.UnsupportedError (a NotImplementedError), converted as BudgetExceeded is.
@@ -279,13 +290,15 @@ at::Tensor copy_storage(const at::Tensor& t) {
   return over(t, bytes.clone().storage());
 }
 
-// A storage of nbytes holding nothing, that reports kEvictedMsg when read. Resizable, as
-// the storage a kernel makes is: an out= op recomputed in it may resize it.
-c10::Storage empty_storage(size_t nbytes, c10::Device device) {
+// A storage of nbytes holding nothing, that reports kEvictedMsg when read (guarded; else
+// its data pointer reads as null). Resizable, as the storage a kernel makes is: an out= op
+// recomputed in it may resize it.
+c10::Storage empty_storage(size_t nbytes, c10::Device device, bool guarded = true) {
   c10::Storage s(c10::Storage::use_byte_size_t(), nbytes, at::DataPtr(nullptr, device),
                  c10::GetAllocator(device.type()), /*resizable=*/true);
-  s.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
-      std::string(kEvictedMsg));
+  if (guarded)
+    s.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
+        std::string(kEvictedMsg));
   return s;
 }
 
@@ -733,7 +746,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
   }
 
   // Runtime._budget_error's message: the numbers, and what cannot be evicted.
-  std::string budget_message(int64_t requested, const std::string& what) const {
+  BudgetExceeded budget_error(int64_t requested, const std::string& what) const {
     std::string largest;
     for (auto [t, nbytes] : core.largest_pinned(5)) {
       if (!largest.empty()) largest += ", ";
@@ -748,14 +761,15 @@ struct Engine : std::enable_shared_from_this<Engine> {
       }
       largest += name + " " + format_bytes(nbytes);
     }
-    return "dtr: cannot stay within the memory budget of " + format_bytes(core.budget) + " while " +
-           what + ": " + format_bytes(core.resident_bytes) + " resident, " +
-           format_bytes(requested) + " requested, " + format_bytes(core.pinned_bytes()) +
-           " pinned (constants and tensors that cannot be recomputed) and " +
-           format_bytes(core.locked_bytes()) +
-           " locked by the running op, none of which can be evicted. Largest unevictable: " +
-           (largest.empty() ? std::string("none") : largest) +
-           ". Raise the budget or reduce the batch size.";
+    return BudgetExceeded(
+        "dtr: cannot stay within the memory budget of " + format_bytes(core.budget) + " while " +
+            what + ": " + format_bytes(core.resident_bytes) + " resident, " +
+            format_bytes(requested) + " requested, " + format_bytes(core.pinned_bytes()) +
+            " pinned (constants and tensors that cannot be recomputed) and " +
+            format_bytes(core.locked_bytes()) +
+            " locked by the running op, none of which can be evicted. Largest unevictable: " +
+            (largest.empty() ? std::string("none") : largest) + ".",
+        core.budget, core.constant_bytes(), what, requested);
   }
 
   // A value the program reads or takes out of the engine (value_copy, export_value):
@@ -781,8 +795,8 @@ struct Engine : std::enable_shared_from_this<Engine> {
           [&](int64_t rid, int64_t need) {
             const Recipe* rec =
                 rid < static_cast<int64_t>(recipes.size()) ? &recipes[rid] : nullptr;
-            throw BudgetExceeded(budget_message(
-                need, "recomputing " + (rec && rec->op ? py_name(rec->op->schema()) : "a tensor")));
+            throw budget_error(
+                need, "recomputing " + (rec && rec->op ? py_name(rec->op->schema()) : "a tensor"));
           },
           [&] { drain(); });
     } catch (...) {
@@ -1071,6 +1085,88 @@ inline NativeImpl* as_native(const at::Tensor& t) {
 // A plain tensor over a managed one's storage and metadata (after the block, or a
 // tensor of another session).
 at::Tensor plain_view(const at::Tensor& t) { return over(t, t.storage()); }
+
+// ---------------------------------------------------------------- torch.profiler
+// torch.profiler(record_shapes=True) reads the data pointer of every tensor input in its
+// RecordFunction start callback (RawTensorMetadata: t.storage().data()). An evicted
+// value's storage raises kEvictedMsg on that read: the guard that keeps C++ code from
+// reading freed memory directly. The profiler needs only the address (null: no memory),
+// so while a session is open a global RecordFunction callback of dtr's lifts the guard
+// on the evicted storages of a range's managed inputs when the range records inputs, just
+// before the profiler's callback reads them (a global callback runs before the
+// thread-local ones torch.profiler adds), and puts it back at the first of: the next
+// range starting on this thread, the engine serving an op, this range's end. In that
+// window only the other callbacks and the op's kernels above dtr's run (autograd's, which
+// read metadata, and composites, whose ops start ranges of their own; the composites
+// that read memory read their arguments' values first, read_values_first); the guard is
+// put back under the engine's lock, so the engine's evictions and recomputations (which
+// set and clear it) are never undone.
+namespace profiled {
+
+struct Lifted {
+  c10::Storage storage;
+  std::optional<std::string> msg;
+};
+thread_local std::vector<Lifted> t_lifted;  // this thread's lifted guards
+std::mutex g_handle_mu;
+std::optional<at::CallbackHandle> g_handle;
+
+void restore_guards() {
+  if (t_lifted.empty()) return;
+  std::shared_ptr<Engine> e = active();
+  std::unique_lock<std::recursive_mutex> g;
+  if (e) g = std::unique_lock<std::recursive_mutex>(e->mu);
+  for (Lifted& l : t_lifted) {
+    c10::StorageImpl* s = l.storage.unsafeGetStorageImpl();
+    const bool guarded = s->get_extra_meta().custom_data_ptr_error_msg_.has_value();
+    // recomputed since (memory back), or evicted again (guarded again): nothing to undo
+    if (s->_mutable_data_ptr_no_checks().get() == nullptr && !guarded)
+      s->release_data_and_set_meta_custom_data_ptr_error_msg_(std::move(l.msg));
+  }
+  t_lifted.clear();
+}
+
+void lift_guard(const at::Tensor& t) {
+  if (as_native(t) == nullptr) return;
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->_mutable_data_ptr_no_checks().get() != nullptr) return;  // resident
+  std::shared_ptr<Engine> e = active();
+  std::unique_lock<std::recursive_mutex> g;
+  if (e) g = std::unique_lock<std::recursive_mutex>(e->mu);
+  auto& msg = s->get_extra_meta().custom_data_ptr_error_msg_;
+  if (s->_mutable_data_ptr_no_checks().get() != nullptr || !msg) return;
+  t_lifted.push_back({t.storage(), msg});
+  s->clear_data_ptr_access_error_msg_();
+}
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  restore_guards();
+  if (!fn.needsInputs()) return nullptr;  // no callback reads the inputs
+  for (const c10::IValue& v : fn.inputs()) {
+    if (v.isTensor()) {
+      lift_guard(v.toTensor());
+    } else if (v.isList()) {
+      for (const c10::IValue& x : v.toListRef())
+        if (x.isTensor()) lift_guard(x.toTensor());
+    }
+  }
+  return nullptr;
+}
+
+void on_end(const at::RecordFunction&, at::ObserverContext*) { restore_guards(); }
+
+void install() {
+  std::lock_guard<std::mutex> g(g_handle_mu);
+  if (!g_handle) g_handle = at::addGlobalCallback(at::RecordFunctionCallback(&on_start, &on_end));
+}
+
+void remove() {
+  std::lock_guard<std::mutex> g(g_handle_mu);
+  if (g_handle) at::removeCallback(*g_handle);
+  g_handle.reset();
+}
+
+}  // namespace profiled
 
 // A managed tensor's value handed out as a plain tensor over the same storage, to live on
 // outside the engine (a gradient in .grad, numpy(), data_ptr(): Runtime.export). The
@@ -1385,6 +1481,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   const size_t begin = stack->size() - n;
+  profiled::restore_guards();
   std::shared_ptr<Engine> eng = active();
   std::vector<Leaf> leaves;
   bool managed = false, foreign = false, wants = false;
@@ -1483,11 +1580,13 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     if (facts.meta_only) {
       // empty_like(x) and kin (Runtime._run_meta_only): x's value is neither read nor kept,
       // by this call or its recomputation, so they get a stand-in with x's metadata and
-      // no data (a kernel reading it would raise kEvictedMsg)
+      // no data. Its data pointer is a plain null, not guarded: the stand-in reaches only
+      // this kMetaOnly kernel, which reads no data (and is never recorded), and the
+      // profiler's range around that call reads the pointer of every input.
       for (size_t k = 0; k < leaves.size(); ++k) {
         const at::Tensor& t = leaves[k].tensor;
         if (!t.defined()) continue;
-        passed[k] = over(t, empty_storage(t.storage().nbytes(), t.device()));
+        passed[k] = over(t, empty_storage(t.storage().nbytes(), t.device(), false));
         set_item((*stack)[begin + leaves[k].arg], leaves[k].item, passed[k]);
       }
     }
@@ -1819,10 +1918,10 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     if (!ok) {  // the op's fresh outputs are what was asked for (Runtime._settle)
       int64_t requested = 0;
       for (int64_t b : nbytes) requested += b;
-      std::string msg = e.budget_message(requested, "running " + py_name(schema));
+      BudgetExceeded error = e.budget_error(requested, "running " + py_name(schema));
       core.make_room(0);  // its outputs, unlocked now, can go (Runtime._budget_error)
       e.drain();
-      throw BudgetExceeded(msg);
+      throw error;
     }
     if (e.stress) {  // every later read recomputes (Runtime._settle)
       core.evict_all();
@@ -1855,7 +1954,7 @@ void with_python_errors(F&& f) {
   try {
     f();
   } catch (const BudgetExceeded& b) {
-    raise_python("BudgetError", b.what());
+    raise_python("BudgetError", budget_text(b).c_str());
   } catch (const Unsupported& u) {
     raise_python("UnsupportedError", u.what());
   }
@@ -1987,7 +2086,7 @@ void read_values_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
         if (iv.isTensor() && as_native(iv.toTensor())) iv = value_copy(iv.toTensor());
       }
     } catch (const BudgetExceeded& b) {
-      raise_python("BudgetError", b.what());
+      raise_python("BudgetError", budget_text(b).c_str());
     } catch (const Unsupported& u) {
       raise_python("UnsupportedError", u.what());
     }
@@ -2038,7 +2137,7 @@ void collective(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
           eng->writes_to_plain(t);
       });
     } catch (const BudgetExceeded& b) {
-      raise_python("BudgetError", b.what());
+      raise_python("BudgetError", budget_text(b).c_str());
     } catch (const Unsupported& u) {
       raise_python("UnsupportedError", u.what());
     }
@@ -2119,7 +2218,7 @@ void bind(py::module_& m) {
       if (p) std::rethrow_exception(p);
     } catch (const BudgetExceeded& b) {
       py::object cls = py::module_::import("dtr.errors").attr("BudgetError");
-      PyErr_SetString(cls.ptr(), b.what());
+      PyErr_SetString(cls.ptr(), budget_text(b).c_str());
     } catch (const Unsupported& u) {
       py::object cls = py::module_::import("dtr.errors").attr("UnsupportedError");
       PyErr_SetString(cls.ptr(), u.what());
@@ -2141,12 +2240,17 @@ void bind(py::module_& m) {
              if (g_engine && g_engine->open)
                throw std::runtime_error("dtr: a native session is already open");
              g_engine = self;
+             profiled::install();
            })
       .def("close",
            [](std::shared_ptr<Engine> self, bool rebuild) {
              auto deactivate = [&] {
-               std::lock_guard<std::mutex> g(g_mu);
-               if (g_engine == self) g_engine.reset();
+               {
+                 std::lock_guard<std::mutex> g(g_mu);
+                 if (g_engine != self) return;
+                 g_engine.reset();
+               }
+               profiled::remove();
              };
              try {
                // without the GIL: an op holding the engine's lock may need it (a tensor

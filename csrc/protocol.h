@@ -9,9 +9,15 @@
 #include <string>
 #include <vector>
 
+#include <ATen/record_function.h>
+
 #include "core.h"
 
 namespace dtr {
+
+// The range each recipe's rerun gets in torch.profiler (dtr/protocol.py's REMAT_RANGE), so
+// that time spent recomputing shows apart from the ops the program asked for.
+constexpr const char* kRematRange = "dtr::remat";
 
 // Rerun the recipes that rebuild tid, in the order the core schedules them (Invariant 7:
 // iterative). The caller holds tid locked. rerun(rid) reruns recipe rid and calls
@@ -28,6 +34,7 @@ void rematerialize(Core& core, int64_t tid, Rerun rerun, OutOfBudget out_of_budg
       const int64_t need = core.remat_bytes(rid);
       if (!core.make_room(need)) out_of_budget(rid, need);
       drain();
+      RECORD_USER_SCOPE(kRematRange);
       rerun(rid);
     }
     finished = true;

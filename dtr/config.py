@@ -82,6 +82,9 @@ class DTRConfig:
         measure: "dtr" or "allocator" (see MEASURES).
         thrash: the thrash stop: a step whose recomputations pass (thrash - 1) x its
             ops raises BudgetError (THRASH_DEFAULT); 0 never stops.
+        cache_bytes: the idle bytes the native engine's CPU allocation cache may keep
+            (0: none), or None for its default (dtr.native.DEFAULT_CACHE). The native
+            engine's own option: the subclass engine runs on PyTorch's allocator.
     """
 
     budget_bytes: int | None = None
@@ -99,6 +102,7 @@ class DTRConfig:
     engine: str = "subclass"
     measure: str = "dtr"
     thrash: float = THRASH_DEFAULT
+    cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.budget_bytes is not None and (
@@ -131,6 +135,12 @@ class DTRConfig:
                 f"dtr: unknown measure {self.measure!r}; valid: {', '.join(MEASURES)}"
             )
         _check_thrash(self.thrash)
+        if self.cache_bytes is not None and self.engine != "native":
+            raise ConfigError(
+                f"dtr: option cache sizes the native engine's CPU allocation cache; the "
+                f"{self.engine} engine has none (it allocates through PyTorch's allocator): "
+                "drop cache, or pass engine='native'"
+            )
         for name in ("stress", "check", "force_python", "log_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"dtr: option {name} must be a bool, got {getattr(self, name)!r}")
@@ -206,6 +216,7 @@ OPTIONS = (
     "engine",
     "measure",
     "thrash",
+    "cache",  # the native engine's only (DTRConfig.cache_bytes)
 )
 TIMELINE_DEFAULT = 1_000_000  # timeline=True: ~100 MB of Python objects at most
 
@@ -332,6 +343,8 @@ def resolve(
     if measure == "allocator":
         _device.allocator_meter()  # no CUDA: a ConfigError now, at enable() time
     engine = _engine(options.get("engine"), env, force_python(env), measure)
+    cache = options.get("cache")
+    cache_bytes = None if cache is None else 0 if cache == 0 else parse_budget(cache, "cache")
     timeline = options.get("timeline", 0)
     if timeline is True:
         timeline = TIMELINE_DEFAULT
@@ -353,4 +366,5 @@ def resolve(
         engine=engine,
         measure=measure,
         thrash=_thrash(options, env, stress),
+        cache_bytes=cache_bytes,
     )

@@ -83,6 +83,26 @@ def is_budget_error(exc: BaseException | None) -> bool:
     return isinstance(exc, RuntimeError) and BudgetError.PREFIX in str(exc)
 
 
+def budget_advice(budget: int, constants: int, what: str, requested: int) -> str:
+    """The end of a BudgetError's message, both engines': what the constants (parameters
+    and inputs, never evictable) take, what the op that did not fit needed, and advice
+    that can help: below the constants no budget works, and a smaller batch would not
+    shrink the parameters."""
+    from .units import format_bytes
+
+    facts = (
+        f" The parameters and inputs (constants) take {format_bytes(constants)}; {what} "
+        f"needed {format_bytes(requested)}."
+    )
+    if constants >= budget:
+        least = constants + requested
+        return (
+            f"{facts} The parameters and inputs alone take {constants} bytes: a budget below "
+            f"that cannot work; give at least {least} ({format_bytes(least)})."
+        )
+    return f"{facts} Raise the budget or reduce the batch size."
+
+
 class UnsupportedError(DTRError, NotImplementedError):
     """An operation dtr does not support on managed tensors (the message says which)."""
 

@@ -30,7 +30,6 @@ allocates (dtr/reserve.py) and the block's real peak (Stats.real_peak_bytes).
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import os
 import shutil
@@ -51,7 +50,7 @@ from .timeline import Timeline
 _installed = False
 _open: NativeSession | None = None  # the open native session (one per process)
 DEFAULT_CACHE = "1GiB"
-# dtr.enable's options, all of which the native engine implements (and `cache`, its own)
+# dtr.enable's options, all of which the native engine implements (`cache` its own)
 OPTIONS = tuple(o for o in _config.OPTIONS if o != "engine")
 
 
@@ -113,7 +112,7 @@ def _view_forms() -> list[tuple[str, str, str]]:
 class NativeSession:
     """A context manager: the native engine is on for the thread that enters it."""
 
-    def __init__(self, config: _config.DTRConfig, cache=DEFAULT_CACHE):
+    def __init__(self, config: _config.DTRConfig):
         if config.measure != "dtr":
             raise ConfigError(
                 f"dtr: measure={config.measure!r} reads the CUDA allocator's count; the native "
@@ -122,7 +121,8 @@ class NativeSession:
         self.config = config  # the settings, as dtr.enable()'s session keeps them
         # the budget now (set_budget() changes it), in bytes; -1 for none
         self.budget = -1 if config.budget_bytes is None else config.budget_bytes
-        self.cache_bytes = 0 if cache in (0, None) else _config.parse_budget(cache, "cache")
+        cache = config.cache_bytes
+        self.cache_bytes = _config.parse_budget(DEFAULT_CACHE) if cache is None else cache
         self.cache_stats: dict | None = None  # the cache's hits and misses, after the block
         self._engine = None
         self._guard = None
@@ -398,15 +398,15 @@ def enable(
     if unknown:
         raise ConfigError(
             f"dtr: unknown option(s) for dtr.native.enable: {', '.join(unknown)}; "
-            f"valid: {', '.join((*OPTIONS, 'cache'))}"
+            f"valid: {', '.join(OPTIONS)}"
         )
     # dtr.enable's resolution of the options and of their environment variables
     # (DTR_STRESS, DTR_DEBUG, DTR_COST_MODEL, DTR_TRACE, ...), but the budget and heuristic
     # are taken as given here: DTR_MEMORY_BUDGET and DTR_HEURISTIC are dtr.enable's.
     ignored = (_config.ENV_BUDGET, _config.ENV_HEURISTIC, _config.ENV_ENGINE)
     env = {k: v for k, v in os.environ.items() if k not in ignored}
-    config = _config.resolve(budget, heuristic, env=env, **options)
-    return NativeSession(dataclasses.replace(config, engine="native"), cache)
+    config = _config.resolve(budget, heuristic, env=env, engine="native", cache=cache or 0, **options)
+    return NativeSession(config)
 
 
 def _data_hooks() -> data_setter.Hooks:

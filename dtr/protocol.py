@@ -9,7 +9,22 @@ the fast path and the native engine use it); tests compare each with the Python 
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+
 from .errors import InternalError
+
+# The range each recipe's rerun gets in torch.profiler (csrc/protocol.h's kRematRange), so
+# that time spent recomputing shows apart from the ops the program asked for.
+REMAT_RANGE = "dtr::remat"
+
+
+def remat_range():
+    """A profiler range around one rerun while a profiler records (else nothing to pay)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.autograd.profiler.record_function(REMAT_RANGE)
+    return contextlib.nullcontext()
 
 
 class Driver:
@@ -50,7 +65,9 @@ class Driver:
                     raise self.out_of_budget(rid, need)
                 self.drain()
                 stolen = core.steals(rid)
-                core.remat_done(rid, self.rerun(rid, stolen), stolen)
+                with remat_range():
+                    nbytes = self.rerun(rid, stolen)
+                core.remat_done(rid, nbytes, stolen)
                 self.after_rerun()
             finished = True
         finally:

@@ -33,7 +33,7 @@ from ._core import make_core
 from ._pycore import NEW, VERSION, VIEW
 from .call import Call, rebuild_returns, returns_of, substitute
 from .config import DTRConfig
-from .errors import BudgetError, DTRError, InternalError, UnsupportedError
+from .errors import BudgetError, DTRError, InternalError, UnsupportedError, budget_advice
 from .grads import hand_out
 from .fresh import FACTORIES, TRANSPOSES, FreshFactories, FreshTransposes
 from .leaf_hooks import LeafHooks
@@ -1159,8 +1159,8 @@ class Runtime(Driver):
             f"requested, {format_bytes(core.pinned_bytes())} pinned (constants and tensors "
             f"that cannot be recomputed) and {format_bytes(core.locked_bytes())} locked by "
             f"the running op, none of which can be evicted.{self._unmanaged_note()} "
-            f"Largest unevictable: {largest or 'none'}. Raise the budget or reduce the "
-            f"batch size."
+            f"Largest unevictable: {largest or 'none'}."
+            + budget_advice(self.config.budget_bytes, core.constant_bytes(), what, requested)
         )
         # A program that catches the error goes on within the budget: what the failed op
         # made past it (its outputs, locked while the budget was being met) is evicted now,

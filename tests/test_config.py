@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -183,6 +184,41 @@ def test_measure_allocator_is_refused_by_the_native_engine(monkeypatch):
     monkeypatch.setattr(dtr.device, "allocator_meter", lambda: lambda: 0)  # as if on CUDA
     with pytest.raises(dtr.ConfigError, match="native engine runs on the CPU"):
         dtr.enable(engine="native", measure="allocator")
+
+
+def test_every_option_in_the_readme_is_taken_by_dtr_enable():
+    # README's options table, and `cache` (the native engine's allocation cache, which
+    # only dtr.native.enable took)
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    table = readme.split("### Options and environment variables")[1].split("\n\n")[2]
+    documented = {
+        name
+        for row in table.splitlines()[2:]
+        for name in re.findall(r"`(\w+)[=`]", row.split("|")[1])
+    }
+    assert documented | {"cache"} <= set(dtr.config.OPTIONS) | {"budget", "heuristic"}
+
+
+@pytest.mark.parametrize(("cache", "nbytes"), [(0, 0), ("2MiB", 2 << 20), (4096, 4096)])
+def test_cache_through_dtr_enable(cache, nbytes):
+    pytest.importorskip("dtr._C", reason="the native engine is C++")
+    x = torch.randn(64, 64, requires_grad=True)
+    with dtr.enable(engine="native", cache=cache, stress=True) as session:
+        (x.tanh() * 2).sum().backward()
+    assert session.cache_bytes == nbytes and session.stats().remats > 0
+    assert (session.cache_stats is None) == (nbytes == 0)
+    with dtr.enable(engine="native") as default:
+        pass
+    assert default.cache_bytes == 1 << 30
+
+
+def test_cache_is_refused_by_the_subclass_engine_by_name():
+    with pytest.raises(dtr.ConfigError, match="native engine's CPU allocation cache.*engine='native'"):
+        dtr.enable(engine="subclass", cache=0)
+    with pytest.raises(dtr.ConfigError, match="invalid cache"):
+        dtr.enable(engine="native", cache="lots")
 
 
 def test_errors_are_raised_at_enable_time_not_at_enter():

@@ -315,6 +315,34 @@ def test_budget_below_one_ops_inputs_and_outputs(core):
     assert torch.equal(x.grad, x2.grad)
 
 
+def test_budget_error_advice_fits_the_case(engine):
+    # Below what the parameters and inputs take, no budget can work and a smaller batch
+    # cannot help: the message says how much they take and the least budget to give.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+    with pytest.raises(dtr.BudgetError) as info:
+        with dtr.enable(engine=engine, budget="64KiB", cost_model="roofline"):
+            model(torch.randn(8, 256)).sum().backward()
+    msg = str(info.value)
+    assert "265.00 KiB pinned" in msg  # the numbers stay
+    # weight 256 KiB + bias 1 KiB + batch 8 KiB; addmm's 8 KiB output on top
+    assert msg.endswith(
+        "The parameters and inputs (constants) take 265.00 KiB; running aten.addmm.default "
+        "needed 8.00 KiB. The parameters and inputs alone take 271360 bytes: a budget below "
+        "that cannot work; give at least 279552 (273.00 KiB)."
+    ), msg
+    assert "batch size" not in msg
+    # Above the constants, a larger budget or a smaller batch can help.
+    x = torch.randn(128, 128, requires_grad=True)  # 64 KiB, a constant
+    with pytest.raises(dtr.BudgetError) as info:
+        with dtr.enable(engine=engine, budget="96KiB", cost_model="roofline"):
+            (x @ x).sum().backward()
+    assert str(info.value).endswith(
+        "The parameters and inputs (constants) take 64.00 KiB; running aten.mm.default needed "
+        "64.00 KiB. Raise the budget or reduce the batch size."
+    ), str(info.value)
+
+
 def test_budget_error_while_recomputing_is_caught_and_the_session_goes_on(core):
     x = torch.randn(64, 64, requires_grad=True)
     with dtr.enable(cost_model="roofline", check=True) as session:

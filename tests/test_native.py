@@ -128,7 +128,8 @@ def test_infeasible_budget_is_a_budget_error_with_the_numbers():
     msg = str(info.value)
     assert msg.startswith("dtr: cannot stay within the memory budget of 1000 B while ")
     assert re.search(r"resident, .* requested, .* pinned .* locked by the running op", msg)
-    assert "Largest unevictable: " in msg and "Raise the budget" in msg
+    assert "Largest unevictable: " in msg
+    assert "a budget below that cannot work; give at least" in msg  # below the parameters
     # the process stays usable: another session works
     with native.enable():
         assert _train(*_model("mlp"), steps=1)[0] == _train(*_model("mlp"), steps=1)[0]
