@@ -363,7 +363,13 @@ def main(argv=None) -> None:
     p.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
     p.add_argument("--engine", default="native", choices=["native", "subclass"])
     p.add_argument("--timed", type=int, default=3, help="timed steps per configuration")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per configuration")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds per configuration (checked between Python calls: a backward that "
+        "recomputes without end is stopped by dtr's thrash stop instead)",
+    )
     p.add_argument("--no-floor", action="store_true", help="skip the floor F and bisected B")
     p.add_argument("--out", default=os.path.join(RESULTS, "zoo.csv"))
     args = p.parse_args(argv)
