@@ -354,7 +354,12 @@ def plot(rows: list[list], path: str) -> None:
         if r[3].startswith("a") and r[5] == "ok"
     ]
     if points:
-        dtr_plot.slowdown_vs_budget(points, path, "dtr zoo: step time / eager vs budget (a)")
+        dtr_plot.slowdown_vs_budget(
+            points,
+            path,
+            "dtr zoo: step time / eager against the budget",
+            xlabel="a: budget = parameters + a x (peak - parameters)",
+        )
 
 
 def main(argv=None) -> None:

@@ -37,7 +37,12 @@ def _finish(fig, path: str | None, dpi: int = 120):
     return path
 
 
-def slowdown_vs_budget(rows: list[dict], path: str | None = None, title: str = "dtr: slowdown"):
+def slowdown_vs_budget(
+    rows: list[dict],
+    path: str | None = None,
+    title: str = "dtr: slowdown",
+    xlabel: str = "budget / unbudgeted peak",
+):
     """One panel per model, one line per heuristic: step-time ratio to eager against the
     budget ratio. rows: dicts with model, heuristic, ratio, slowdown (NaN if infeasible)."""
     plt = _pyplot()
@@ -54,7 +59,7 @@ def slowdown_vs_budget(rows: list[dict], path: str | None = None, title: str = "
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=heuristic)
         ax.set_title(model)
-        ax.set_xlabel("budget / unbudgeted peak")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("step time / eager")
         ax.invert_xaxis()
         ax.grid(alpha=0.3)
