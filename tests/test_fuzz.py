@@ -11,7 +11,18 @@ multi-output ops (split, chunk, unbind, max/sort/topk with gather, var_mean), RN
 explicit generators, plain factories), cat/stack, where, index_select, masked_fill,
 clamp, flip/roll, ``out=`` into a managed buffer, ``.item()`` control flow, ``no_grad``
 blocks, a backward in the middle (graph retained or not), an SGD update of the leaves,
-values reused after that backward, and a second backward.
+values reused after that backward, and a second backward. Steps that reach around dtr's
+view of memory: a held value exported (``.numpy()``, ``torch.from_dlpack``, a tensor over
+its ``untyped_storage()``) and written through the export, with readers made before and
+after the write; plain inputs over NumPy memory (``torch.from_numpy``) refilled in place
+through NumPy, also between a forward and its backward; ``out=`` into a managed tensor of
+another shape (empty or wrong), which the op resizes; ``copy.deepcopy`` and
+``torch.save``/``torch.load`` of views of one value (aliasing and ``requires_grad`` as
+eager's); ops of a user namespace (``torch.library.custom_op``), pure and random; a
+training loop on its own parameter carrying a running mean of the loss, updated in place
+or by ``w.data = w.data - lr * g``; and in the middle, a gradient penalty
+(``backward(create_graph=True)``, then a backward of the squared ``.grad``) or a
+hand-written update ``p.data = p.data - lr * g`` with g from ``torch.autograd.grad``.
 
 Each program runs eagerly, under dtr with no budget (which gives the peak P), and under
 dtr with a random budget (a fraction of P, down to infeasible ones), heuristic, core
@@ -21,7 +32,8 @@ Every value the program holds, every loss, the gradients after each backward, th
 and the RNG stream afterwards must be bitwise equal to eager. A budget dtr cannot meet
 may raise ``dtr.BudgetError`` and nothing else; the values held at that point must then
 read back as eager computed them (the program run eagerly up to the failing step), and a
-later session must work.
+later session must work. Only the steps in ``REFUSABLE`` may be refused
+(``dtr.UnsupportedError``, without a budget as well), with the same check after it.
 
 Runs:
 
@@ -930,6 +942,8 @@ def compare(got: Interp, expected: Interp, what: str, entries_only: bool = False
     assert len(got.pool) == len(expected.pool), f"{what}: pool sizes differ\n  {program}"
     for g, e in zip(got.pool, expected.pool):
         assert same_bits(g.t, e.t), f"{what}: {e.name} differs from eager\n  {program}"
+        flag = g.t.requires_grad == e.t.requires_grad
+        assert flag, f"{what}: {e.name}.requires_grad differs from eager\n  {program}"
     if entries_only:
         return
     for k, (g, e) in enumerate(zip(got.grads, expected.grads)):
