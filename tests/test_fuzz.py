@@ -739,15 +739,18 @@ class Interp:
 
     def train(self, a: int, b: int, c: int) -> None:
         """A small training loop inside the program, on its own parameter: forward,
-        gradient, update, and a running mean of the loss carried across iterations."""
+        gradient, update (in place, by an optimizer, or by assigning .data to a plain or a
+        managed parameter), and a running mean of the loss carried across iterations."""
         x = self.floats(a)
         inp = x.t.detach()
-        style = ("in-place", "plain .data", "managed .data")[b % 3]
+        style = ("in-place", "optimizer", "plain .data", "managed .data")[b % 4]
         if style == "plain .data":
             # A parameter over NumPy memory is plain under dtr too.
             w = torch.from_numpy(_normal(c, inp.shape)).requires_grad_()
         else:
             w = (inp * 0.5).requires_grad_()
+        # optimizer.step() ends a step for dtr, which may cut lineage reaching into it.
+        opt = torch.optim.SGD([w], lr=0.1) if style == "optimizer" else None
         run = torch.zeros(())
         self.lines.append(f"train on {x.name}: {2 + c % 2} iterations, {style} updates")
         for _ in range(2 + c % 2):
@@ -758,6 +761,10 @@ class Interp:
                 with torch.no_grad():
                     w.sub_(w.grad, alpha=0.1)
                 w.grad = None
+            elif opt is not None:
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
             else:
                 (g,) = torch.autograd.grad(loss, [w])
                 w.data = w.data - 0.1 * g
@@ -1119,5 +1126,6 @@ def test_interpreter_is_deterministic_and_runs_every_kind(core):
     needles = ("split(", "sort(", "topk(", "dropout(", "generator(", "_(", "cat(", "sgd step")
     needles += ("no_grad", "sum > 0", "gather(", "out=buf", "where(", "export", "refilled")
     needles += ("out=x.", "deepcopy", "torch.save", "dtrfuzz.noisy", "running mean")
-    for needle in (*needles, "create_graph", "autograd.grad", ".data updates"):
+    needles += ("create_graph", "autograd.grad", ".data updates", "optimizer updates")
+    for needle in needles:
         assert needle in executed, needle
