@@ -634,7 +634,7 @@ class Interp:
         with torch.no_grad():
             self.add(x.t * 1.5 + 0.25, f"{x.name} * 1.5 + 0.25  # no_grad, before export")
         route = ("numpy", "dlpack", "storage")[b % 3]
-        t = x.t.detach()
+        t = x.t.detach() if x.t.requires_grad else x.t  # an alias, or the value itself
         if route == "numpy":
             handle = t.numpy()
         elif route == "dlpack":
