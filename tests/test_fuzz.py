@@ -679,7 +679,8 @@ class Interp:
         self.lines.append(f"buffer {k} refilled in place through NumPy ({b % 2})")
 
     def out_resize(self, a: int, b: int, c: int) -> None:
-        """out= into a managed tensor of another shape, which the op resizes."""
+        """out= into a tensor of another shape made from a held value (managed under dtr
+        where the value is), which the op resizes."""
         x = self.pick(a, lambda e: e.t.is_floating_point() and e.t.dim() > 0)
         if x is None:
             return self.unary(a, b, c)
@@ -739,20 +740,22 @@ class Interp:
 
     def train(self, a: int, b: int, c: int) -> None:
         """A small training loop inside the program, on its own parameter: forward,
-        gradient, update (in place, by an optimizer, or by assigning .data to a plain or a
-        managed parameter), and a running mean of the loss carried across iterations."""
+        gradient, update (in place, by an optimizer, or by assigning .data), and a running
+        mean of the loss carried across iterations."""
         x = self.floats(a)
         inp = x.t.detach()
-        style = ("in-place", "optimizer", "plain .data", "managed .data")[b % 4]
-        if style == "plain .data":
-            # A parameter over NumPy memory is plain under dtr too.
+        styles = ("in-place", "optimizer", ".data, NumPy parameter", ".data, computed parameter")
+        style = styles[b % 4]
+        if style == ".data, NumPy parameter":
+            # A parameter over NumPy memory is plain under dtr too; one computed from a
+            # managed value is managed.
             w = torch.from_numpy(_normal(c, inp.shape)).requires_grad_()
         else:
             w = (inp * 0.5).requires_grad_()
         # optimizer.step() ends a step for dtr, which may cut lineage reaching into it.
         opt = torch.optim.SGD([w], lr=0.1) if style == "optimizer" else None
         run = torch.zeros(())
-        self.lines.append(f"train on {x.name}: {2 + c % 2} iterations, {style} updates")
+        self.lines.append(f"train on {x.name}: {2 + c % 2} iterations, updates: {style}")
         for _ in range(2 + c % 2):
             loss = torch.tanh(w * inp + 0.5).sum() * 0.1 + (w * w).sum() * 0.01
             self.losses.append(loss.detach())
@@ -1126,6 +1129,6 @@ def test_interpreter_is_deterministic_and_runs_every_kind(core):
     needles = ("split(", "sort(", "topk(", "dropout(", "generator(", "_(", "cat(", "sgd step")
     needles += ("no_grad", "sum > 0", "gather(", "out=buf", "where(", "export", "refilled")
     needles += ("out=x.", "deepcopy", "torch.save", "dtrfuzz.noisy", "running mean")
-    needles += ("create_graph", "autograd.grad", ".data updates", "optimizer updates")
+    needles += ("create_graph", "autograd.grad", "updates: .data", "updates: optimizer")
     for needle in needles:
         assert needle in executed, needle
