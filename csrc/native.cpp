@@ -1127,7 +1127,7 @@ at::Tensor export_value(Engine& e, const at::Tensor& t) {
     tid = e.export_version(*impl->cell_);
   } else {
     e.core.pin(tid);
-    if (read) e.invalidate(members);
+    if (read) e.invalidate(e.core.members(tid));
   }
   const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   e.escaped[s] = tid;
