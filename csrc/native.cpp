@@ -1275,6 +1275,7 @@ struct OpFacts {
   bool bn_hidden_writes = false;
   bool fill = false;       // zero_, fill_.Scalar: how zeros/ones/full fill what they make
   bool transpose = false;  // t, transpose.int (TRANSPOSES)
+  bool detach = false;     // detach(): names its argument's value (Runtime's _detach)
   std::optional<c10::OperatorHandle> view_form;  // an in-place view op's out-of-place form
   std::vector<size_t> plain_returns;             // returns left plain (dtr/schema.py)
 };
@@ -1319,6 +1320,7 @@ OpFacts make_facts(const c10::OperatorHandle& op) {
            (name == "aten::fill_" && overload == "Scalar");
   f.transpose =
       (name == "aten::t" && overload.empty()) || (name == "aten::transpose" && overload == "int");
+  f.detach = name == "aten::detach" && overload.empty();
   // A packed sequence's batch_sizes stays plain: lstm.data and kin read it through
   // data_ptr() in C++ before any dispatch, where an evicted value cannot be rebuilt
   // (dtr/schema.py's _PLAIN_RETURNS; it depends only on the plain lengths)
@@ -1439,6 +1441,17 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       }
   wants = wants && at::GradMode::is_enabled();
   const OpFacts& facts = facts_of(op);
+  // x.detach() of a managed tensor names x's value, as the subclass engine's detach
+  // aliases x's Ref: a fresh tensor sharing x's Cell (autograd takes it as the
+  // non-differentiable alias, as it takes CPU's fresh one). Nothing is read, so an evicted
+  // value stays evicted (a recorded view would rebuild it, and need memory, for a tensor
+  // that may never be read: autograd detaches saved values it has not unpacked).
+  if (facts.detach && managed) {
+    c10::TensorImpl* self = leaves[0].tensor.unsafeGetTensorImpl();
+    (*stack)[begin] = at::Tensor(self->shallow_copy_and_detach(
+        self->version_counter(), self->allow_tensor_metadata_change()));
+    return;
+  }
   std::vector<size_t> written = facts.written;  // argument positions the op writes
   if (facts.bn_hidden_writes && stack->size() >= begin + 6 && (*stack)[begin + 5].isBool() &&
       (*stack)[begin + 5].toBool() && (*stack)[begin + 3].isTensor()) {
