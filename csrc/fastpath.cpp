@@ -195,6 +195,16 @@ bool FastPath::escaped(PyObject* tensor) {
   return false;
 }
 
+// Whether a plain tensor's storage was handed out by address in the block
+// (Runtime.exported_plain; a dead storage's key only sends the op to handle()).
+bool FastPath::exported_plain(PyObject* tensor) {
+  if (PyDict_GET_SIZE(exported_plain_.ptr()) == 0) return false;
+  py::object key = storage_key(tensor);
+  if (PyDict_GetItemWithError(exported_plain_.ptr(), key.ptr()) != nullptr) return true;
+  if (PyErr_Occurred()) throw py::error_already_set();
+  return false;
+}
+
 // Runtime._flush: release the handles dropped since the last op (Invariant 5).
 void FastPath::flush() {
   while (true) {
@@ -318,7 +328,7 @@ FastPath::Scan FastPath::scan(const OpInfo& op, PyObject* args, PyObject* kwargs
         return;
       }
       sc.requires_grad = sc.requires_grad || t.requires_grad();
-      if (!t.storage().resizable() || escaped(a)) sc.volatile_arg = true;
+      if (!t.storage().resizable() || escaped(a) || exported_plain(a)) sc.volatile_arg = true;
       leaf.value = py::reinterpret_borrow<py::object>(a);  // a constant: tid found in run
     }
     leaves.push_back(std::move(leaf));
@@ -652,18 +662,20 @@ int64_t FastPath::constant(PyObject* arg, std::vector<int64_t>& fresh) {
   return tid;
 }
 
-// Runtime._hook_leaf(t), called only when t is not a leaf already marked hooked (the
-// common case for parameters read again and again: one attribute read, no Python call).
+// Runtime._hook_leaf(t), called only when t is not a leaf already hooked (the common case
+// for parameters read again and again: dict lookups, no Python call): LeafHooks.hooked.
 void FastPath::hook_leaf(PyObject* arg, const at::Tensor& t) {
-  if (t.is_leaf()) {
-    PyObject* mark = PyObject_GetAttr(arg, s_hooked_.ptr());
-    if (mark == nullptr) {
-      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
-      PyErr_Clear();
-    } else {
-      bool hooked = mark == token_.ptr();
-      Py_DECREF(mark);
-      if (hooked) return;
+  if (t.is_leaf() && PyDict_GET_SIZE(leaf_handles_.ptr()) > 0) {
+    py::object key = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(t.unsafeGetTensorImpl()));
+    if (!key) throw py::error_already_set();
+    PyObject* handle = PyDict_GetItemWithError(leaf_handles_.ptr(), key.ptr());
+    if (handle == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (handle != nullptr) {
+      py::object ref = get(py::handle(handle), s_hooks_dict_ref_);
+      py::object hooks = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(ref.ptr()));
+      if (!hooks) throw py::error_already_set();
+      py::object own = get(py::handle(arg), s_post_hooks_);
+      if (!hooks.is_none() && hooks.ptr() == own.ptr()) return;
     }
   }
   rt_.attr(s_hook_leaf_)(py::handle(arg));

@@ -128,11 +128,12 @@ class FastPath {
     const_storages_ = rt_.attr("const_storages");
     escaped_ = rt_.attr("escaped");
     escaped_keys_ = rt_.attr("escaped_keys");
+    exported_plain_ = rt_.attr("exported_plain");
     sizes_ = rt_.attr("sizes");
     lock_ = rt_.attr("lock");
     core_obj_ = rt_.attr("core");
     core_ = core_obj_.cast<Core*>();
-    token_ = rt_.attr("_token");
+    leaf_handles_ = rt_.attr("leaf_hooks").attr("handles")();
   }
 
   py::object operator()(py::handle func, py::handle args, py::handle kwargs);
@@ -176,6 +177,7 @@ class FastPath {
     bool volatile_arg = false;
   };
   bool escaped(PyObject* tensor);
+  bool exported_plain(PyObject* tensor);
 
   const OpInfo& info(py::handle func);
   py::object fallback(py::handle func, py::handle args, py::handle kwargs);
@@ -210,8 +212,8 @@ class FastPath {
       drew_;
   py::object recipe_freed_, recipe_written_, recipe_replaced_, stand_in_type_, rebuilt_type_,
       copy_layout_, storage_freed_, parameter_type_, serials_;
-  py::object nodes_, storages_, const_keys_, const_storages_, escaped_, escaped_keys_, sizes_,
-      lock_;
+  py::object nodes_, storages_, const_keys_, const_storages_, escaped_, escaped_keys_,
+      exported_plain_, sizes_, lock_;
   py::object core_obj_;
   py::object frame_callback_, without_dynamo_;  // dtr/session.py's, for torch_dispatch
   Core* core_;
@@ -238,9 +240,10 @@ class FastPath {
                    s_after_steal_ = intern("_after_interrupted_steal"),
                    s_out_of_budget_ = intern("out_of_budget"),
                    s_recompute_seconds_ = intern("recompute_seconds"),
-                   s_hooked_ = intern("_dtr_hooked"), s_check_mirror_ = intern("check_mirror"),
+                   s_hooks_dict_ref_ = intern("hooks_dict_ref"),
+                   s_post_hooks_ = intern("_post_accumulate_grad_hooks"), s_check_mirror_ = intern("check_mirror"),
                    s_measure_device_ = intern("measure_device");
-  py::object token_;  // Runtime._token: what _hook_leaf marks a hooked leaf with
+  py::object leaf_handles_;  // Runtime.leaf_hooks.handles(): leaf._cdata -> its hook's handle
   void hook_leaf(PyObject* arg, const at::Tensor& t);
 };
 

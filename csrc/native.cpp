@@ -456,6 +456,12 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // evicted for the other members' sake; the memory is the program's from then on.
   std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> handed_out;
   size_t prune_handed_out_at = 64;
+  // Plain storages handed out by address in the block (p.detach().numpy(), from_dlpack,
+  // untyped_storage(), data_ptr(): dtr/plain_exports.py), while they live (weak: the
+  // pointer is not reused while held): volatile from then on, as foreign memory is.
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>>
+      exported_plain;
+  size_t prune_exported_plain_at = 64;
   // The latest snapshot of each volatile storage, while a recipe holds it (weak: the table
   // never keeps a copy alive): dtr/volatile.py's Snapshots.
   std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> snapshots;
@@ -612,7 +618,28 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // managed value handed out by address or a plain tensor's foreign memory (NumPy's)
   bool is_volatile(const at::Tensor& t, bool managed) const {
     const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-    return escaped.count(s) > 0 || (!managed && !s->resizable());
+    return escaped.count(s) > 0 ||
+           (!managed && (!s->resizable() || exported_plain.count(s) > 0));
+  }
+  // A plain tensor's memory handed out by address (Runtime.plain_exported): a write of
+  // unknown content now and at any time after. What read it so far is materialized and
+  // pinned, as before an op writes it; later recipes read snapshots of it.
+  void plain_exported(const at::Tensor& t) {
+    if (t.layout() != c10::kStrided) {
+      for (const at::Tensor& p : sparse_parts(t)) plain_exported(p);
+      return;
+    }
+    // (a managed value's storage, handed out by export_value, is already volatile)
+    if (!t.has_storage() || escaped.count(t.storage().unsafeGetStorageImpl()) > 0) return;
+    writes_to_plain(t);
+    if (exported_plain.size() >= 2 * prune_exported_plain_at) {
+      for (auto h = exported_plain.begin(); h != exported_plain.end();)
+        h = h->second.expired() ? exported_plain.erase(h) : std::next(h);
+      prune_exported_plain_at = std::max<size_t>(64, exported_plain.size());
+    }
+    exported_plain.insert_or_assign(t.storage().unsafeGetStorageImpl(),
+                                    c10::weak_intrusive_ptr<c10::StorageImpl>(
+                                        t.storage().getWeakStorageImpl()));
   }
   // A tensor with t's metadata over a copy of t's storage as it is now; the latest copy
   // of that storage when it still holds the same bytes.
@@ -983,6 +1010,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
     escaped.clear();
     escaped_storage.clear();
     handed_out.clear();
+    exported_plain.clear();
     snapshots.clear();
     made_by_fill.clear();
     made_by_transpose.clear();
@@ -1183,14 +1211,19 @@ at::Tensor export_value(Engine& e, const at::Tensor& t) {
   if (impl->eng_.get() != &e || !e.open) return plain_view(t);
   e.flush();
   int64_t tid = impl->tid();
-  const bool version = e.core.has_consumers(tid) && e.core.is_private(tid);
+  // What read the memory: any member of the pool (`v.detach().numpy()` exports an alias
+  // no op has read yet, of a value that ops have)
+  const std::vector<int64_t> members = e.core.members(tid);
+  const bool read = std::any_of(members.begin(), members.end(),
+                                [&](int64_t m) { return e.core.has_consumers(m); });
+  const bool version = read && e.core.is_private(tid);
   if (e.trace && !version) e.trace->exported(tid);
   e.make_resident(tid);
   if (version) {
     tid = e.export_version(*impl->cell_);
   } else {
     e.core.pin(tid);
-    if (e.core.has_consumers(tid)) e.invalidate(e.core.members(tid));
+    if (read) e.invalidate(e.core.members(tid));
   }
   const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   e.escaped[s] = tid;
@@ -1338,6 +1371,7 @@ struct OpFacts {
   bool bn_hidden_writes = false;
   bool fill = false;       // zero_, fill_.Scalar: how zeros/ones/full fill what they make
   bool transpose = false;  // t, transpose.int (TRANSPOSES)
+  bool detach = false;     // detach(): names its argument's value (Runtime's _detach)
   std::optional<c10::OperatorHandle> view_form;  // an in-place view op's out-of-place form
   std::vector<size_t> plain_returns;             // returns left plain (dtr/schema.py)
 };
@@ -1382,6 +1416,7 @@ OpFacts make_facts(const c10::OperatorHandle& op) {
            (name == "aten::fill_" && overload == "Scalar");
   f.transpose =
       (name == "aten::t" && overload.empty()) || (name == "aten::transpose" && overload == "int");
+  f.detach = name == "aten::detach" && overload.empty();
   // A packed sequence's batch_sizes stays plain: lstm.data and kin read it through
   // data_ptr() in C++ before any dispatch, where an evicted value cannot be rebuilt
   // (dtr/schema.py's _PLAIN_RETURNS; it depends only on the plain lengths)
@@ -1503,6 +1538,17 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       }
   wants = wants && at::GradMode::is_enabled();
   const OpFacts& facts = facts_of(op);
+  // x.detach() of a managed tensor names x's value, as the subclass engine's detach
+  // aliases x's Ref: a fresh tensor sharing x's Cell (autograd takes it as the
+  // non-differentiable alias, as it takes CPU's fresh one). Nothing is read, so an evicted
+  // value stays evicted (a recorded view would rebuild it, and need memory, for a tensor
+  // that may never be read: autograd detaches saved values it has not unpacked).
+  if (facts.detach && managed) {
+    c10::TensorImpl* self = leaves[0].tensor.unsafeGetTensorImpl();
+    (*stack)[begin] = at::Tensor(self->shallow_copy_and_detach(
+        self->version_counter(), self->allow_tensor_metadata_change()));
+    return;
+  }
   std::vector<size_t> written = facts.written;  // argument positions the op writes
   if (facts.bn_hidden_writes && stack->size() >= begin + 6 && (*stack)[begin + 5].isBool() &&
       (*stack)[begin + 5].toBool() && (*stack)[begin + 3].isTensor()) {
@@ -2403,6 +2449,22 @@ void bind(py::module_& m) {
           if (!eng->open) return;
           eng->flush();
           eng->writes_to_plain(t);
+          eng->drain();
+        });
+      },
+      py::arg("tensor"));
+  // A plain tensor's memory handed out by address in the block (dtr/plain_exports.py)
+  m.def(
+      "native_plain_exported",
+      [](const at::Tensor& t) {
+        std::shared_ptr<Engine> eng = active();
+        if (!eng || as_native(t) != nullptr) return;
+        py::gil_scoped_release nogil;
+        with_python_errors([&] {
+          std::lock_guard<std::recursive_mutex> g(eng->mu);
+          if (!eng->open) return;
+          eng->flush();
+          eng->plain_exported(t);
           eng->drain();
         });
       },

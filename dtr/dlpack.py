@@ -21,6 +21,8 @@ import threading
 import torch
 import torch.utils.dlpack
 
+from . import plain_exports
+
 _lock = threading.Lock()
 _original = None
 
@@ -35,6 +37,8 @@ def to_dlpack(tensor: torch.Tensor):
         ext = sys.modules.get("dtr._C")  # not loaded: no native session ever ran
         if ext is not None and hasattr(ext, "is_native") and ext.is_native(tensor):
             ext.native_materialize(tensor)  # pinned while the capsule holds the tensor
+        else:
+            plain_exports.exported(tensor)  # a plain tensor's memory, volatile from now on
     return _original(tensor)
 
 

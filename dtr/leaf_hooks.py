@@ -15,26 +15,42 @@ class LeafHooks:
     """Post-accumulate-grad hook handles on leaves, removed together at the session's end.
 
     A program can make a new leaf every step (an input that requires grad): the handles
-    of dead leaves, whose hooks dict died with them, are dropped whenever the list
-    doubles, so the list stays proportional to the leaves alive. No weak reference to the
-    leaf itself: torch.utils.swap_tensors refuses tensors that have one."""
+    of dead leaves, whose hooks dict died with them, are dropped whenever their number
+    doubles, so it stays proportional to the leaves alive. Nothing is put on the leaf
+    itself: no weak reference (torch.utils.swap_tensors refuses tensors that have one),
+    and no attribute (torch.save and copy.deepcopy carry a tensor's attributes, and a
+    file must hold what eager's holds). A handle is found by the leaf's address
+    (``_cdata``) and is the leaf's own while its hooks dict is the leaf's."""
 
     def __init__(self) -> None:
-        self._handles: list = []
+        self._handles: dict[int, object] = {}  # leaf._cdata -> its hook's handle
         self._prune_at = MIN_PRUNE_AT
 
     def __len__(self) -> int:
         return len(self._handles)
 
+    def hooked(self, leaf: torch.Tensor) -> bool:
+        """Whether leaf has its hook (csrc/fastpath.cpp, FastPath::hook_leaf, asks the
+        same of the dict this returns from handles())."""
+        handle = self._handles.get(leaf._cdata)
+        if handle is None:
+            return False
+        hooks = handle.hooks_dict_ref()
+        return hooks is not None and hooks is leaf._post_accumulate_grad_hooks
+
+    def handles(self) -> dict:
+        return self._handles
+
     def add(self, leaf: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
         handles = self._handles
-        handles.append(leaf.register_post_accumulate_grad_hook(hook))
+        handles[leaf._cdata] = leaf.register_post_accumulate_grad_hook(hook)
         if len(handles) >= self._prune_at:
-            handles[:] = [h for h in handles if h.hooks_dict_ref() is not None]
+            for key in [k for k, h in handles.items() if h.hooks_dict_ref() is None]:
+                del handles[key]
             self._prune_at = max(MIN_PRUNE_AT, 2 * len(handles))
 
     def remove_all(self) -> None:
-        for handle in self._handles:
+        for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
         self._prune_at = MIN_PRUNE_AT

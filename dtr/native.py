@@ -38,7 +38,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import config as _config
-from . import data_setter, dlpack, errors, native_reads
+from . import data_setter, dlpack, errors, native_reads, plain_exports
 from . import schema as _schema
 from .errors import ConfigError, DTRError
 from .grads import hand_out
@@ -200,7 +200,10 @@ class NativeSession:
         # memory directly (an evicted one is an error) and allocate what they save for
         # backward as plain tensors dtr cannot evict. The stance is process-wide.
         self._stance = torch.compiler.set_stance("force_eager")
+        # p.detach().numpy(), ... of a plain tensor; first: native_reads' methods wrap these
+        plain_exports.install()
         native_reads.install(lambda: self._engine)  # tolist(), numpy(), ... of managed tensors
+        plain_exports.set_hook(_C.native_plain_exported)
         data_setter.install(_data_hooks())  # `t.data = new`
         dlpack.install()  # torch.to_dlpack of a managed tensor, for the process's life
         # made before it is entered: exiting a guard never entered changes nothing
@@ -223,6 +226,7 @@ class NativeSession:
             finally:
                 native_reads.remove()
                 data_setter.remove()
+                plain_exports.set_hook(None)
                 if self._stance is not None:
                     self._stance.__exit__(None, None, None)  # the stance before the block
         finally:

@@ -22,6 +22,7 @@ import warnings
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import cost as _cost
@@ -131,6 +132,9 @@ class Runtime(Driver):
         self.escaped: dict[int, Node] = {}  # storage key -> managed node handed out plain
         self.escaped_keys: dict[int, int] = {}  # its tid -> storage key
         self.snapshots = Snapshots()  # what recipes read of volatile memory
+        # storage key -> weak reference: plain memory handed out by address in the block
+        # (dtr/plain_exports.py), volatile while it lives
+        self.exported_plain: dict[int, StorageWeakRef] = {}
         self.pending_refs: list[Node] = []  # handles the program dropped
         self.hooks: list = []  # the session's own hooks, removed at close
         self.leaf_hooks = LeafHooks()  # on the leaves ops read under grad mode
@@ -139,7 +143,6 @@ class Runtime(Driver):
         self.recompute_seconds = 0.0
         self.oom_retries = 0
         self.model_cost = config.cost_model == "roofline"
-        self._token = object()
         self.trace = TraceWriter(config.trace, config) if config.trace else None
         self.timeline = Recorder(config.timeline) if config.timeline else None
         self.sizes = OutputSizes()
@@ -558,12 +561,46 @@ class Runtime(Driver):
                 continue
             if op.nodes[k] is None:
                 storage = self.const_storages[op.tids[k]]
-                volatile = not storage.resizable() or storage._cdata in escaped
+                volatile = (
+                    not storage.resizable()
+                    or storage._cdata in escaped
+                    or self._exported_plain(storage._cdata)
+                )
             else:
                 volatile = bool(escaped) and storage_key(t) in escaped
             if volatile:
                 snap = self.snapshots.take(t)
                 op.snaps[k] = (snap, self._constant(snap, op.fresh))
+
+    def _exported_plain(self, key: int) -> bool:
+        ref = self.exported_plain.get(key)
+        if ref is None:
+            return False
+        if ref.expired():  # a dead storage's address, taken by a new one
+            del self.exported_plain[key]
+            return False
+        return True
+
+    def plain_exported(self, t: torch.Tensor) -> None:
+        """A plain tensor's memory is handed out by address (dtr/plain_exports.py): a
+        write of unknown content now and at any time after. What read it so far is
+        materialized and pinned, as before an op writes it; later recipes read snapshots
+        of it (_snapshot_volatile)."""
+        if isinstance(t, CheckpointTensor):
+            return
+        with self.lock, internal():
+            if not self.is_open:
+                return
+            if self.pending_refs:
+                self._flush()
+            for p in parts(t):
+                storage = torch._C.TensorBase.untyped_storage(p)
+                key = storage._cdata
+                if key in self.escaped:  # a managed value's, handed out by export()
+                    continue
+                self._writes_to_plain_leaf(p, self.storages.get(key, -1))
+                self.exported_plain[key] = StorageWeakRef(storage)
+            self.drain()
 
     def _record(self, op: _Op, out):
         """Tell the core about the op's outputs, wrap them, and build the recipe.
@@ -969,7 +1006,7 @@ class Runtime(Driver):
             if (
                 t.requires_grad
                 and torch.is_grad_enabled()
-                and getattr(t, "_dtr_hooked", None) is not self._token
+                and not self.leaf_hooks.hooked(t)
             ):
                 self._hook_leaf(t)
             return tid
@@ -993,9 +1030,8 @@ class Runtime(Driver):
         leaf = t if t.is_leaf else t._base
         if leaf is None or not leaf.is_leaf or not leaf.requires_grad:
             return
-        if getattr(leaf, "_dtr_hooked", None) is self._token:
+        if self.leaf_hooks.hooked(leaf):
             return
-        leaf._dtr_hooked = self._token
         self.leaf_hooks.add(leaf, self._grad_ready)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
@@ -1210,6 +1246,7 @@ class Runtime(Driver):
                 self.const_storages.clear()
                 self.escaped.clear()
                 self.escaped_keys.clear()
+                self.exported_plain.clear()
                 self.pending_refs.clear()
                 self.recipes = []
                 self.dispatch = self.handle  # the fast path holds this runtime

@@ -9,7 +9,7 @@ import types
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import data_setter, direct_reads, dlpack, errors
+from . import data_setter, direct_reads, dlpack, errors, plain_exports
 from .config import DTRConfig, resolve
 from .errors import ConfigError, DTRError
 from .runtime import Runtime
@@ -137,6 +137,8 @@ class Session:
                 self._thread = threading.current_thread()
                 _active = self
                 data_setter.install(self._runtime.data_hooks())
+                plain_exports.install()  # p.detach().numpy(), ... of a plain tensor
+                plain_exports.set_hook(self._runtime.plain_exported)
         except BaseException:
             # An interrupt (Ctrl-C, a signal handler's exception) can land between any two
             # steps, the lock's release included: a session left active would refuse every
@@ -174,6 +176,7 @@ class Session:
         try:
             if self._runtime is not None:  # (past the checks: no other session's to remove)
                 data_setter.remove()  # (harmless when it was not installed)
+                plain_exports.set_hook(None)
             if self._mode is not None:
                 _leave_mode(self._mode)
         finally:
@@ -207,6 +210,7 @@ class Session:
             # Even if the above failed (a KeyboardInterrupt can land anywhere in it), the
             # session must end: else every later dtr.enable() is refused as nested.
             data_setter.remove()
+            plain_exports.set_hook(None)
             self._runtime = None
             self._mode = None
             with _active_lock:

@@ -203,3 +203,50 @@ def _aliased_export_program():
 
 def test_writes_through_an_exported_view_match_eager(engine):
     _check(engine, STRESS, _aliased_export_program)
+
+
+def _exported_leaf_program(write):
+    # A parameter made before the block: a plain tensor that recipes read. Its memory is
+    # handed out in the block and written through the handle; what read it before each
+    # write is recomputed from what it read then.
+    torch.manual_seed(0)
+    p = _leaf[0].clone().requires_grad_()
+    c = p.clone()  # read before the first write
+    s = p * 2
+    write(p.detach(), 0.5)
+    d = p.sin()  # read after it
+    write(p.detach(), -0.25)
+    e = (p * 3).exp()  # after a second write
+    loss = (c * s).sum() + d.sum() + e.sum()
+    loss.backward()
+    return [loss.detach(), c, s, d, e, p.detach(), p.grad]
+
+
+_leaf = [torch.randn(N, N, generator=torch.Generator().manual_seed(1))]
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_writes_through_an_exported_plain_leaf_match_eager(engine, route):
+    _check(engine, STRESS, _exported_leaf_program, ROUTES[route])
+
+
+def _exported_alias_program(write):
+    # The value requires grad, so the program exports a detached alias of it (as
+    # `v.detach().numpy()` must be written): readers of the value itself, taken before
+    # the write, are recomputed from what they read then.
+    torch.manual_seed(0)
+    x = torch.randn(N, N, requires_grad=True)
+    v = x * 2.0 + 1.0
+    r = v.exp()  # read before the write
+    write(v.detach(), 0.5)
+    w = v * 3.0  # read after it
+    loss = r.sum() + w.square().sum()
+    loss.backward()
+    return [loss.detach(), r, w, v.detach(), x.grad]
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_writes_through_an_exported_alias_of_a_value_that_requires_grad_match_eager(
+    engine, route
+):
+    _check(engine, STRESS, _exported_alias_program, ROUTES[route])

@@ -365,6 +365,33 @@ def test_budget_error_while_recomputing_is_caught_and_the_session_goes_on(core):
     assert torch.equal(x.grad, eager_chain_grad(x, 8))
 
 
+def test_detaching_evicted_values_needs_no_memory(engine):
+    # After a backward that freed the graph, a program detaches what it holds: each
+    # detach() names the value as it is, evicted or not, so a budget too tight for any
+    # recomputation does not fail it.
+    x = torch.randn(64, 64, requires_grad=True)
+    hs_eager = [x.tanh()]
+    for _ in range(5):
+        hs_eager.append(hs_eager[-1].tanh())
+    with dtr.enable(engine=engine, cost_model="roofline", stress=True, check=True) as session:
+        hs = [x.tanh()]
+        for _ in range(5):
+            hs.append(hs[-1].tanh())
+        hs[-1].sum().backward()
+        (x * 2).sum()  # stress mode evicts at the boundary of an op
+        remats = session.stats().remats
+        session.set_budget(64 * 64 * 4)  # x alone: no recomputation fits
+        detached = [h.detach() for h in hs]
+        assert session.stats().remats == remats
+        assert all(h.requires_grad and not d.requires_grad for h, d in zip(hs, detached))
+        session.set_budget(None)
+        for d, e in zip(detached, hs_eager):
+            assert torch.equal(dtr.materialize(d), e.detach())
+        assert session.stats().remats > remats  # they were evicted
+    for h, d, e in zip(hs, detached, hs_eager):
+        assert torch.equal(h.detach(), e.detach()) and torch.equal(d, e.detach())
+
+
 def test_budget_error_caught_inside_the_block_then_training_goes_on(core):
     eager = _mlp()
     opt = torch.optim.SGD(eager.parameters(), lr=0.1)

@@ -1052,7 +1052,9 @@ def test_a_plain_tensor_changed_behind_the_engine_is_refused_on_recompute(change
             elif change == "half":
                 torch._C.TensorBase.data.__set__(w, w.detach().half())
             else:
-                w.untyped_storage().resize_(0)
+                # as FSDP2 frees it, from torch's own code (the program's own call hands
+                # the memory out: what read it is pinned, and nothing is recomputed)
+                torch._C.TensorBase.untyped_storage(w).resize_(0)
             y.sum().item()
     assert "dtr: cannot recompute aten.mm.default" in str(info.value)
 

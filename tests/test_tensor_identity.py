@@ -276,3 +276,28 @@ def test_data_replaced_on_a_managed_tensor_is_refused(engine):
         with pytest.raises(dtr.UnsupportedError, match=r"^dtr: .*t\.copy_\(x\)"):
             h.data = torch.zeros(24, 32)
         assert torch.equal(h.detach().clone(), before)
+
+
+def test_views_of_a_leaf_saved_in_the_block_load_with_weights_only(engine):
+    # A leaf that a recipe read under grad mode (the engine hooks its gradient) is saved
+    # with two of its views: the file holds plain tensors only, as eager's does.
+    def program():
+        p = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        y = (p * 2).sum()
+        f = io.BytesIO()
+        torch.save([p, p[0], p.t()], f)
+        f.seek(0)
+        loaded = torch.load(f, weights_only=True)
+        with torch.no_grad():
+            loaded[0].mul_(-2)  # shows in the other two, which share its storage
+        return [y.detach(), *loaded], p.__dict__
+
+    expected, expected_dict = program()
+    with dtr.enable(engine=engine, stress=True, cost_model="roofline") as session:
+        got, got_dict = program()
+    assert session.stats().evictions > 0
+    assert got_dict == expected_dict
+    assert all(type(g) is torch.Tensor for g in got[1:])
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(dtr.materialize(g), e) and g.requires_grad == e.requires_grad
+    assert got[2].untyped_storage()._cdata == got[1].untyped_storage()._cdata
