@@ -225,7 +225,9 @@ def _exported_leaf_program(write):
 _leaf = [torch.randn(N, N, generator=torch.Generator().manual_seed(1))]
 
 
-@pytest.mark.parametrize("route", sorted(ROUTES))
+# numpy() and DLPack hand out a writable array; a raw pointer or storage of a plain
+# tensor is not taken as an export (dtr/plain_exports.py, README Limits)
+@pytest.mark.parametrize("route", ["dlpack", "numpy"])
 def test_writes_through_an_exported_plain_leaf_match_eager(engine, route):
     _check(engine, STRESS, _exported_leaf_program, ROUTES[route])
 

@@ -464,7 +464,8 @@ CASES = {
         Case("recurrent", _recurrent_build, _recurrent_train, ratios=(0.8, 0.7)),
         Case("attention", _attention_build, _attention_train),
         Case("norms", _norms_build, _norms_train),
-        Case("autocast", _mixed_build, _mixed_train),
+        # bfloat16 kernels' own float32 buffers count against the budget (dtr/reserve.py)
+        Case("autocast", _mixed_build, _mixed_train, ratios=(0.5, 0.4)),
         # Reentrant checkpointing's segment boundaries are plain (see Checkpointed).
         Case("checkpointed", _checkpointed_build, _checkpointed_train, ratios=(0.8, 0.7)),
     )
