@@ -186,24 +186,21 @@ bool FastPath::known(const std::vector<Leaf>& leaves) {
   return false;
 }
 
-// Whether a tensor's storage is a managed value's handed out plain (Runtime.escaped).
-bool FastPath::escaped(PyObject* tensor) {
-  if (PyDict_GET_SIZE(escaped_.ptr()) == 0) return false;
+// Whether a tensor's storage key is in one of the runtime's dicts keyed by storage.
+bool FastPath::keyed_in(const py::object& dict, PyObject* tensor) {
+  if (PyDict_GET_SIZE(dict.ptr()) == 0) return false;
   py::object key = storage_key(tensor);
-  if (PyDict_GetItemWithError(escaped_.ptr(), key.ptr()) != nullptr) return true;
+  if (PyDict_GetItemWithError(dict.ptr(), key.ptr()) != nullptr) return true;
   if (PyErr_Occurred()) throw py::error_already_set();
   return false;
 }
 
+// Whether a tensor's storage is a managed value's handed out plain (Runtime.escaped).
+bool FastPath::escaped(PyObject* tensor) { return keyed_in(escaped_, tensor); }
+
 // Whether a plain tensor's storage was handed out by address in the block
 // (Runtime.exported_plain; a dead storage's key only sends the op to handle()).
-bool FastPath::exported_plain(PyObject* tensor) {
-  if (PyDict_GET_SIZE(exported_plain_.ptr()) == 0) return false;
-  py::object key = storage_key(tensor);
-  if (PyDict_GetItemWithError(exported_plain_.ptr(), key.ptr()) != nullptr) return true;
-  if (PyErr_Occurred()) throw py::error_already_set();
-  return false;
-}
+bool FastPath::exported_plain(PyObject* tensor) { return keyed_in(exported_plain_, tensor); }
 
 // Runtime._flush: release the handles dropped since the last op (Invariant 5).
 void FastPath::flush() {

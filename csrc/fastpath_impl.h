@@ -176,6 +176,7 @@ class FastPath {
     // which Runtime._snapshot_volatile takes
     bool volatile_arg = false;
   };
+  bool keyed_in(const py::object& dict, PyObject* tensor);
   bool escaped(PyObject* tensor);
   bool exported_plain(PyObject* tensor);
 

@@ -2257,6 +2257,23 @@ void install(const std::vector<std::string>& routed_ops,
   }
 }
 
+// What the open session does when the program changes a plain tensor's memory behind
+// the engine (`p.data = ...`, an export of its memory): `what` under the engine's lock,
+// pending drops flushed first and evictions drained after; nothing with no session open
+// or for a managed tensor.
+static void on_plain(const at::Tensor& t, void (Engine::*what)(const at::Tensor&)) {
+  std::shared_ptr<Engine> eng = active();
+  if (!eng || as_native(t) != nullptr) return;
+  py::gil_scoped_release nogil;
+  with_python_errors([&] {
+    std::lock_guard<std::recursive_mutex> g(eng->mu);
+    if (!eng->open) return;
+    eng->flush();
+    ((*eng).*what)(t);
+    eng->drain();
+  });
+}
+
 void bind(py::module_& m) {
   // BudgetExceeded or Unsupported out of a binding (close() or materialize() recomputing)
   py::register_exception_translator([](std::exception_ptr p) {
@@ -2440,34 +2457,12 @@ void bind(py::module_& m) {
   // materialized and pinned first, as before an op writes it
   m.def(
       "native_plain_written",
-      [](const at::Tensor& t) {
-        std::shared_ptr<Engine> eng = active();
-        if (!eng || as_native(t) != nullptr) return;
-        py::gil_scoped_release nogil;
-        with_python_errors([&] {
-          std::lock_guard<std::recursive_mutex> g(eng->mu);
-          if (!eng->open) return;
-          eng->flush();
-          eng->writes_to_plain(t);
-          eng->drain();
-        });
-      },
+      [](const at::Tensor& t) { on_plain(t, &Engine::writes_to_plain); },
       py::arg("tensor"));
   // A plain tensor's memory handed out by address in the block (dtr/plain_exports.py)
   m.def(
       "native_plain_exported",
-      [](const at::Tensor& t) {
-        std::shared_ptr<Engine> eng = active();
-        if (!eng || as_native(t) != nullptr) return;
-        py::gil_scoped_release nogil;
-        with_python_errors([&] {
-          std::lock_guard<std::recursive_mutex> g(eng->mu);
-          if (!eng->open) return;
-          eng->flush();
-          eng->plain_exported(t);
-          eng->drain();
-        });
-      },
+      [](const at::Tensor& t) { on_plain(t, &Engine::plain_exported); },
       py::arg("tensor"));
   // dtr.materialize() of a native tensor: its value as a plain tensor (pinned while its
   // session is open, as Engine.export), whichever session it belongs to

@@ -286,14 +286,7 @@ class Replayer {
   void end() {
     if (live_) core_.budget = -1;  // the block ended: budget lifted, held tensors rebuilt
     for (int64_t t : core_.alive()) {
-      core_.lock(t);
-      try {
-        materialize(t);
-      } catch (...) {
-        core_.unlock(t);
-        throw;
-      }
-      core_.unlock(t);
+      read(t);
       if (!live_) core_.pin(t);  // the paper's simulator pinned what the step left alive
     }
     if (!live_ && !core_.make_room(0)) throw Stop{"oom"};
