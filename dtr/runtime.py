@@ -588,18 +588,26 @@ class Runtime(Driver):
         of it (_snapshot_volatile)."""
         if isinstance(t, CheckpointTensor):
             return
+
+        def exported(p: torch.Tensor, key: int) -> None:
+            if key in self.escaped:  # a managed value's, handed out by export()
+                return
+            self._writes_to_plain_leaf(p, self.storages.get(key, -1))
+            self.exported_plain[key] = StorageWeakRef(torch._C.TensorBase.untyped_storage(p))
+
+        self._on_plain_parts(t, exported)
+
+    def _on_plain_parts(self, t: torch.Tensor, each) -> None:
+        """each(part, its storage key) for every part of plain t, under the session's lock
+        with pending drops flushed first and evictions drained after (nothing once the
+        session is closed): what the program did to the memory behind dtr's back."""
         with self.lock, internal():
             if not self.is_open:
                 return
             if self.pending_refs:
                 self._flush()
             for p in parts(t):
-                storage = torch._C.TensorBase.untyped_storage(p)
-                key = storage._cdata
-                if key in self.escaped:  # a managed value's, handed out by export()
-                    continue
-                self._writes_to_plain_leaf(p, self.storages.get(key, -1))
-                self.exported_plain[key] = StorageWeakRef(storage)
+                each(p, storage_key(p))
             self.drain()
 
     def _record(self, op: _Op, out):
@@ -1051,14 +1059,9 @@ class Runtime(Driver):
     def plain_replaced(self, t: torch.Tensor) -> None:
         """A plain tensor is about to get another storage (`t.data = new`): recipes that
         read its old value are invalidated, as before an op writes it."""
-        with self.lock, internal():
-            if not self.is_open:
-                return
-            if self.pending_refs:
-                self._flush()
-            for p in parts(t):
-                self._writes_to_plain_leaf(p, self.storages.get(storage_key(p), -1))
-            self.drain()
+        self._on_plain_parts(
+            t, lambda p, key: self._writes_to_plain_leaf(p, self.storages.get(key, -1))
+        )
 
     def export(self, ref: Ref) -> torch.Tensor:
         """The plain value of a managed tensor, handed out to live on outside dtr. The
