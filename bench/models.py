@@ -357,6 +357,17 @@ def _graph_loss(model, batch):
     return F.cross_entropy(model(adj, x), y)
 
 
+def _token_lm(name: str, model: type[nn.Module], batch_size: Callable[[int], int]) -> Spec:
+    """A language model of width 64 x scale over 24 x scale tokens of a 96-word vocabulary."""
+    return Spec(
+        name,
+        lambda s: model(dim=64 * s),
+        lambda g, s, n: _tokens(g, n, 24 * s, vocab=96),
+        _lm,
+        batch_size,
+    )
+
+
 # Programs in the shapes third-party models take and the five above do not: recursion
 # over single vectors, an unrolled LSTMCell, a GRU with tied weights, a weight-shared
 # loop, a sparse graph. bench.zoo measures them with the third-party models.
@@ -364,27 +375,9 @@ SHAPES: dict[str, Spec] = {
     "vector_tree": Spec(
         "vector_tree", lambda s: VectorTree(dim=96 * s), _tree_batch, _tree_loss, lambda s: 1
     ),
-    "lstmcell_lm": Spec(
-        "lstmcell_lm",
-        lambda s: LSTMCellLM(dim=64 * s),
-        lambda g, s, n: _tokens(g, n, 24 * s, vocab=96),
-        _lm,
-        lambda s: 8 * s,
-    ),
-    "tied_gru_lm": Spec(
-        "tied_gru_lm",
-        lambda s: TiedGRULM(dim=64 * s),
-        lambda g, s, n: _tokens(g, n, 24 * s, vocab=96),
-        _lm,
-        lambda s: 8 * s,
-    ),
-    "looped_transformer": Spec(
-        "looped_transformer",
-        lambda s: LoopedTransformer(dim=64 * s),
-        lambda g, s, n: _tokens(g, n, 24 * s, vocab=96),
-        _lm,
-        lambda s: 8,
-    ),
+    "lstmcell_lm": _token_lm("lstmcell_lm", LSTMCellLM, lambda s: 8 * s),
+    "tied_gru_lm": _token_lm("tied_gru_lm", TiedGRULM, lambda s: 8 * s),
+    "looped_transformer": _token_lm("looped_transformer", LoopedTransformer, lambda s: 8),
     "gcn": Spec("gcn", lambda s: GCN(width=64 * s), _graph_batch, _graph_loss, lambda s: 1000 * s),
 }
 

@@ -97,6 +97,7 @@ class Outcome:
     grads: list[list[torch.Tensor | None]] = dataclasses.field(default_factory=list)
     params: list[torch.Tensor] = dataclasses.field(default_factory=list)
     real_peak: int = 0
+    param_bytes: int = 0
     times: list[float] = dataclasses.field(default_factory=list)
     stats: dtr.Stats | None = None
     status: str = "ok"
@@ -139,12 +140,12 @@ def run(
     model = entry.build()
     model.train()
     params = list(model.parameters())
+    out = Outcome(param_bytes=param_bytes(model))
     opt = torch.optim.AdamW(params, lr=1e-3)
     g = torch.Generator().manual_seed(1)
     data = [entry.batch(g) for _ in range(CHECKED_STEPS + 1 + timed)]
     grad_buffers = [torch.zeros_like(p) for p in params]  # made outside dtr: plain
     torch.manual_seed(2)
-    out = Outcome()
 
     def forward_backward(batch):
         loss = entry.loss(model, batch)
@@ -237,8 +238,7 @@ def sweep(
     if free.status != "ok":
         progress(len(ratios))
         return rows, None
-    torch.manual_seed(0)
-    params = param_bytes(entry.build())
+    params = free.param_bytes
     above = max(free.stats.peak_resident_bytes - params, 0)
     for r in ratios:
         budget = params + int(r * above)
