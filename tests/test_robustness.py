@@ -309,21 +309,18 @@ def test_managed_tensors_sent_to_another_process(engine):
         w = torch.empty(64).copy_(x.detach()).requires_grad_()  # a managed leaf
         assert s.stats().evictions >= 2
         q_in, q_out = ctx.Queue(), ctx.Queue()
-        child = ctx.Process(target=_child_reads, args=(y, q_in, q_out), daemon=True)
-        child.start()
-        try:
-            q_in.put(z)
-            got_z = _answer(q_out, child)
-        finally:
-            _end(child)
-        # a leaf that requires grad arrives requiring grad, as in eager
-        child = ctx.Process(target=_child_reads, args=(y, q_in, q_out), daemon=True)
-        child.start()
-        try:
-            q_in.put(w)
-            got_w = _answer(q_out, child)
-        finally:
-            _end(child)
+
+        def send(queued):  # y as the Process's argument, `queued` through the Queue
+            child = ctx.Process(target=_child_reads, args=(y, q_in, q_out), daemon=True)
+            child.start()
+            try:
+                q_in.put(queued)
+                return _answer(q_out, child)
+            finally:
+                _end(child)
+
+        got_z = send(z)
+        got_w = send(w)  # a leaf that requires grad arrives requiring grad, as in eager
         assert s.stats().remats > 0
     assert got_z == (want_y, want_z, False)
     assert got_w == (want_y, want_w, True)
