@@ -143,6 +143,9 @@ class FastPath {
     frame_callback_ = std::move(frame_callback);
     without_dynamo_ = std::move(without_dynamo);
   }
+  // Runtime.view_replay noted a graph hazard (dtr/view_replay.py): ops a CopySlices runs
+  // in a create_graph backward go to handle(), which refuses them.
+  void watch_graph() { watch_graph_ = true; }
   bool rematerialize_if_own(int64_t tid) {
     if (get(rt_, s_core_).ptr() != core_obj_.ptr()) return false;  // (tests wrap the core)
     rematerialize(tid);
@@ -220,6 +223,7 @@ class FastPath {
   Core* core_;
   bool stress_, check_, model_cost_;
   bool metered_;  // measure="allocator": Runtime.measure_device at each boundary
+  bool watch_graph_ = false;
   std::unordered_map<PyObject*, OpInfo> ops_;
   const py::object s_is_open_ = intern("is_open"), s_core_ = intern("core"),
                    s_pending_ = intern("pending_refs"), s_ref_ = intern("_dtr_ref"),

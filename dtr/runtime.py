@@ -48,6 +48,7 @@ from .tensor import CheckpointTensor, Node, Ref, _serials, own_tensor, take_geom
 from .timeline import Recorder
 from .trace import TraceWriter
 from .units import format_bytes
+from .view_replay import ViewReplay
 from .volatile import Snapshots
 
 aten = torch.ops.aten
@@ -149,6 +150,7 @@ class Runtime(Driver):
         self.kernel_meter = KernelMeter()  # detached by close()
         self.fresh = FreshFactories()  # zeros(...) and kin made in the block (dtr/fresh.py)
         self.transposes = FreshTransposes()  # adj.t() and kin of plain sparse tensors
+        self.view_replay = ViewReplay(self)  # where autograd's view replay shows
         # the session's peak_bytes and max_bytes before the last take_step_peak()
         self.peak_carry = self.max_carry = 0
         # (peak, max transient) when close() lifted the budget: materializing what the
@@ -228,6 +230,8 @@ class Runtime(Driver):
                 return dispatch_without_mode(func, args, kwargs)
             if self.pending_refs:
                 self._flush()
+            if self.view_replay.graph_hazard is not None:
+                self.view_replay.check_graph()
             facts = op_facts(func)
             call = Call(facts, args, kwargs)
             managed = meta = False
@@ -536,6 +540,10 @@ class Runtime(Driver):
                 if op.nodes[k] is None and tid not in op.fresh and tid not in op.held:
                     core.retain(tid)
                     op.held.append(tid)
+        for k in invalid:
+            # before invalidation drops the lineage that says what the views are
+            if op.nodes[k] is not None:
+                self.view_replay.on_write(op, k, op.nodes[k])
         for k in invalid:
             node = op.nodes[k]
             if node is not None:
@@ -933,6 +941,7 @@ class Runtime(Driver):
         return self._budget_error(need, f"recomputing {self.recipes[rid].facts.name}")
 
     def invalidate(self, seeds: list[int]) -> None:
+        self.view_replay.remember(seeds)
         if self.trace is not None:
             self.trace.invalidate([self._label(t) for t in seeds])
         super().invalidate(seeds)
