@@ -205,6 +205,19 @@ def eager_peak_bytes(name: str, scale: int, optimizer: str = "adam", device: str
     return step_peak_bytes(lambda: step(data[1]), model, opt, data[1], device, base)
 
 
+def narrow(passes: Callable[[int], bool], good: int, bad: int, resolution: float) -> int:
+    """Bisect between good (passes) and bad (fails), on either side of it, until they
+    are within a factor 1 + resolution of the smaller (or 1 apart); returns good. The
+    smallest feasible budget and the largest batch that fits are both this search."""
+    while abs(bad - good) > max(1, int(min(good, bad) * resolution)):
+        mid = (good + bad) // 2
+        if passes(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
 def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f}"
 

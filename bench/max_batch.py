@@ -43,7 +43,7 @@ import torch
 
 from dtr.units import format_bytes, parse_bytes
 
-from .common import BENCH_SCALE, RESULTS, print_table, timed_steps, write_csv
+from .common import BENCH_SCALE, RESULTS, narrow, print_table, timed_steps, write_csv
 from .models import MODELS
 
 METHODS = ("eager", "dtr, no budget", "dtr, budget", "dtr, whole device")
@@ -82,13 +82,7 @@ def largest(fits: Callable[[int], bool], start: int, limit: int, resolution: flo
             hi = n
             if lo == 0 and n > 1:  # start failed: look below it
                 return largest(fits, 1, n - 1, resolution)
-    while hi - lo > max(1, int(lo * resolution)):
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return narrow(fits, lo, hi, resolution)
 
 
 def _dtr_kwargs(method: str, cap: int, args) -> dict | None:

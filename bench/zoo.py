@@ -41,7 +41,7 @@ import torch
 
 import dtr
 
-from .common import RESULTS, mib, print_table, profiled_peak, quiet_stderr, write_csv
+from .common import RESULTS, mib, narrow, print_table, profiled_peak, quiet_stderr, write_csv
 from .zoo_models import ZOO, Entry
 
 RATIOS = (1.0, 0.7, 0.5, 0.3, 0.2)
@@ -132,10 +132,17 @@ def batch_bytes(batch: tuple) -> int:
 
 
 def run(
-    entry: Entry, dtr_kwargs: dict | None, timed: int, timeout: float, meter: bool = True
+    entry: Entry,
+    dtr_kwargs: dict | None,
+    timed: int,
+    timeout: float,
+    meter: bool = True,
+    check: bool = True,
 ) -> Outcome:
     """Train CHECKED_STEPS (+ 1 metered unless not meter) + timed steps of `entry`
-    (under dtr.enable(**dtr_kwargs) unless None) from the same seeds every time."""
+    (under dtr.enable(**dtr_kwargs) unless None) from the same seeds every time. Without
+    check, only the timed steps after one untimed step (eager's times next to a dtr
+    configuration's)."""
     torch.manual_seed(0)
     model = entry.build()
     model.train()
@@ -159,6 +166,14 @@ def run(
     ctx = dtr.enable(**dtr_kwargs) if dtr_kwargs is not None else contextlib.nullcontext()
     try:
         with deadline(timeout), ctx as session:
+            if not check:
+                for i, batch in enumerate(data[CHECKED_STEPS:]):
+                    start = time.perf_counter()
+                    forward_backward(batch)
+                    update()
+                    if i > 0:  # the first warms up
+                        out.times.append(time.perf_counter() - start)
+                return _finish(out, session, dtr_kwargs)
             for batch in data[:CHECKED_STEPS]:
                 loss = forward_backward(batch)
                 out.grads.append([None if p.grad is None else p.grad.clone() for p in params])
@@ -242,7 +257,7 @@ def sweep(
     above = max(free.stats.peak_resident_bytes - params, 0)
     for r in ratios:
         budget = params + int(r * above)
-        eager_again = run(entry, None, timed, timeout)  # timed next to this configuration
+        eager_again = run(entry, None, timed, timeout, check=False)  # timed next to it
         got = run(entry, {**base, "budget": budget}, timed, timeout)
         progress()
         rows.append(_row(entry, engine, f"a{r:g}", budget, got, eager, eager_again.times))
@@ -288,13 +303,7 @@ def smallest_budget(entry: Entry, engine: str, lo: int, hi: int, timeout: float)
 
     if not feasible(hi):
         return None
-    while hi > lo * 1.02:
-        mid = (lo + hi) // 2
-        if feasible(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return narrow(feasible, hi, lo, 0.02)
 
 
 def floor_row(entry: Entry, engine: str, params: int, peak: int, timeout: float, folder) -> list:
