@@ -885,7 +885,8 @@ def test_nested_jagged_tensors_of_managed_values(engine, mode):
     # A jagged tensor is a Python subclass over a values tensor, here a managed one. The
     # native engine serves its ops as any other (the values are ordinary managed
     # tensors); the subclass engine lets the subclass serve each op on its values, whose
-    # ops then reach dtr (it returns NotImplemented for ops mixing a managed and a jagged tensor), and its
+    # ops then reach dtr (its mode returns NotImplemented for an op mixing a managed and a
+    # jagged tensor), and its
     # constructor reads the values' storage size without pinning them (every value was
     # pinned, and no budget below the peak could be met).
     want = _nested_jagged()

@@ -20,14 +20,27 @@ _ORDINAL = (
 )
 _MONTH = r"Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec"
 FORBIDDEN = [
-    ("numbered sitting", re.compile(rf"\b(?:{_ORDINAL}) sessions?\b(?! of the process)", re.I)),
+    ("numbered sitting", re.compile(rf"\b(?:{_ORDINAL}) sessions?\b(?! of the)", re.I)),
     ("numbered sitting", re.compile(r"\bsessions? (?:\d+|N)\b")),
-    ("sitting", re.compile(r"\bthis session's (?:run|build|machine)\b|\brun to run this session\b", re.I)),
+    (
+        "sitting",
+        re.compile(r"\bthis session's (?:run|build|machine)\b|\brun to run this session\b", re.I),
+    ),
     ("issue number", re.compile(r"\bissues? #?\d+", re.I)),
     ("date", re.compile(r"\b20\d\d-[01]\d(?:-[0-3]\d)?(?![-\d])")),
     ("date", re.compile(rf"\b(?:{_MONTH})[a-z]* 20\d\d\b")),
-    ("before/after the N-th", re.compile(rf"\b(?:before|after|until|since) the (?:{_ORDINAL})\b(?:'s)? (?:session|sitting|run|build|fix)", re.I)),
-    ("found in", re.compile(r"\b[Ff]ound (?:in|by) (?:the |a )?(?:fuzz|sweep|session|review|reading)")),
+    (
+        "before/after the N-th",
+        re.compile(
+            rf"\b(?:before|after|until|since) the (?:{_ORDINAL})(?:'s)? "
+            r"(?:session|sitting|run|build|fix)",
+            re.I,
+        ),
+    ),
+    (
+        "found in",
+        re.compile(r"\b[Ff]ound (?:in|by) (?:the |a )?(?:fuzz|sweep|session|review|reading)"),
+    ),
     ("until ... became the default", re.compile(r"\buntil\b[^.]{0,80}\bbecame the default")),
 ]
 

@@ -388,8 +388,8 @@ PAPER_SMALLEST = {  # smallest feasible ratio on the 0.05 grid: h_DTR, h_DTR^eq,
 @needs_prototype
 @pytest.mark.parametrize("name", sorted(PAPER_SMALLEST))
 def test_paper_smallest_feasible_ratios(name):
-    # The paper's simulator's smallest feasible ratios (as the paper reports them), reached exactly: feasible
-    # there, infeasible one grid step below. The prototype's traces replay with the
+    # The paper's simulator's smallest feasible ratios (as the paper reports them),
+    # reached exactly: feasible there, infeasible one grid step below. The prototype's traces replay with the
     # paper's staleness clock (core.request_stamps); dtr's own clock, stamping on every
     # lock and rerun, stopped one or more steps short on four traces.
     prog = sim.load(_find(name))

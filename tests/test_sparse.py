@@ -4,7 +4,8 @@ dtr manages no sparse tensor's parts; a plain sparse tensor a managed op reads (
 network's adjacency in `torch.sparse.mm(adj, h)` or `adj @ h`) is a constant of the op's
 recipe, so the op's output is evicted and recomputed like any other
 (dtr/storage_keys.py). Sparse results stay plain: an embedding's sparse gradient, whose
-values are a managed tensor's memory, pins that tensor on the native engine. SparseAdam's sparse update to a parameter is a write dtr must see.
+values are a managed tensor's memory, pins that tensor on the native engine. SparseAdam's sparse update to a parameter is a write dtr must
+see.
 """
 
 from __future__ import annotations
