@@ -1,7 +1,7 @@
 """Held-out models: programs outside the bench suite, traced once for the simulator.
 
 Our own heuristics were chosen on the eight prototype traces and the five bench models'
-traces (issue 3's sweep); the comparison is only worth something if the choice carries
+traces (bench/simulate.py's sweep); the comparison is only worth something if the choice carries
 over to programs it was not chosen on. These seven differ from the bench models in
 structure: skip connections across scales (U-Net), token mixing by transposes (MLP-Mixer),
 a fused recurrent kernel (GRU), sparse message passing (GCN), depthwise convolutions, and

@@ -8,7 +8,7 @@ running out is found by doubling from --start, then bisecting to within --resolu
 
 - **eager**: PyTorch as is; an allocator OOM ends it.
 - **dtr, no budget**: ``dtr.enable()`` with no budget: when the allocator cannot satisfy
-  a request, dtr evicts and reruns the op (issue 6's on-demand mode), and gives up with
+  a request, dtr evicts and reruns the op (evicting on demand), and gives up with
   ``dtr.BudgetError`` only when nothing is left to evict.
 - **dtr, budget**: ``dtr.enable(budget=--budget-fraction x the cap)``: dtr keeps its own
   count under the budget (parameters, gradients and optimizer state live outside its

@@ -12,7 +12,7 @@ held (GLIBC_TUNABLES raising the mmap and trim thresholds, for eager and the eng
 alike), where freed memory stays in the heap instead of going back to the kernel to be
 faulted in again. What differs between the two is the allocator's doing, not the
 engine's: the order in which an engine frees memory decides how often glibc faults
-(dtr/NOTES.md, "The floor at the step"). Writes bench/results/native.csv.
+(docs/design.md, "The floor at the step"). Writes bench/results/native.csv.
 
     python -m bench.native            # about seventeen minutes
 """

@@ -12,7 +12,7 @@ the paper's simulator reached.
 
 The bench models' traces and those of seven held-out models (``bench/heldout.py``:
 programs our heuristics were not chosen on) are recorded first, under
-``bench/results/traces/``; the table of issue 3's rule for a heuristic of our own shows
+``bench/results/traces/``; the table of the acceptance rule for a heuristic of our own shows
 the held-out ones apart.
 """
 
@@ -36,11 +36,11 @@ from .heldout import record_heldout
 RATIOS = sim.SWEEP_RATIOS
 # Our own heuristics, each shown against the paper's h_DTR (`dtr`) in the summary table.
 OURS = ("msps_sqrt", "dtr_held", "dtr_held34")
-# Issue 3's rule for a heuristic of our own: a strictly lower smallest feasible ratio than
+# The acceptance rule for a heuristic of our own: a strictly lower smallest feasible ratio than
 # h_DTR on at least this many traces, and at most this much more overhead on any.
 RULE_LOWER, RULE_LOSS = 4, 0.05
 
-# What the paper's own simulator reached on these traces (issue 3, measured by running
+# What the paper's own simulator reached on these traces (measured by running
 # it): smallest feasible ratio on the 0.05 grid for h_DTR / h_DTR^eq / h_MSPS, and the
 # overhead of h_DTR at 0.5.
 PAPER = {
@@ -220,7 +220,7 @@ def max_loss(rows, trace: str, ours: str, base: str) -> float:
 
 
 def rule(rows, ours: str, traces: list[str]) -> tuple[list[list], int, float, list[str]]:
-    """Issue 3's rule for ours against dtr on traces: one row per trace (smallest
+    """The acceptance rule for ours against dtr on traces: one row per trace (smallest
     feasible ratios, ratios dtr reaches and ours does not, largest overhead loss), how
     many traces ours reaches strictly lower, its largest loss, and the traces where it
     reaches less than dtr (a higher smallest ratio or a lost ratio)."""

@@ -5,8 +5,7 @@ graph, eagerly and under dtr at fractions of the peak dtr reports with no budget
 the adjacency as a CSR tensor (`adj @ h`) and as a COO one (`torch.sparse.mm(adj, h)`),
 side by side in one process. Memory is torch.profiler's peak over a step plus the
 parameters, optimizer state and graph alive before it (bench/common.py, the measure of
-bench.vs_static); time is the median of the timed steps. Until the seventh session dtr
-refused every op mixing a sparse tensor with a managed one, so no GCN trained under it.
+bench.vs_static); time is the median of the timed steps.
 Writes a table and bench/results/sparse_gcn.csv.
 
     python -m bench.sparse_gcn                  # 10,000 nodes, 12 layers, about 4 minutes

@@ -18,8 +18,8 @@ intra-op thread count (``--threads``, default 1, set once for every method):
   running, all of which the measure below sees, so its measured peak is above its
   budget.) "dtr at a static point's memory" is then, of the dtr runs whose measured peak
   is at or below that point's (within 0.5%), the one with the largest budget, whichever
-  setting produced it (until the fourth session: the fastest of them, a choice one noisy
-  timing each could decide).
+  setting produced it (not the fastest of them: one noisy timing each could decide
+  that).
 - **confirm**: each static point and that dtr run are timed again ``--confirm`` times
   each (default 3), alternately, and the ratio of the two medians decides the 1.1x
   target: one run against another measured minutes apart would take the machine's

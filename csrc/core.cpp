@@ -559,7 +559,7 @@ int64_t Core::choose() {
 // the smaller bill), then to the smallest pid, so the choice does not depend on the order
 // of pids. The smallest pid alone put dtr 18.5% above Checkmate's optimum on the 8-op
 // chain at 0.4; this order keeps every heuristic within 8% of it wherever the MILP
-// solved, and changes no dtr, dtr_eq or dtr_held run of the sweep (README, Traces).
+// solved, and changes no dtr, dtr_eq or dtr_held run of the sweep (docs/heuristics.md).
 int64_t Core::best_of(const std::vector<int64_t>& pids) {
   if (h_ == kRandom) {
     std::vector<int64_t> ok;
@@ -617,7 +617,8 @@ double Core::score(int64_t pid, const PoolRec& p, double bound, double& cost) {
     // likelier victim, but its recomputation cost and size weigh more against its age
     // than under h_DTR's linear staleness. sqrt(s) * sqrt(sqrt(s)) rounds the same in the
     // Python twin (pow need not). The exponent was chosen from the sweep: every value in
-    // 0.6 .. 0.8 passes issue 3's rule, 0.5 and 0.85 do not (README, Traces).
+    // 0.6 .. 0.8 passes the acceptance rule for a heuristic of our own, 0.5 and 0.85 do
+    // not (docs/heuristics.md).
     if (m <= 0 || stale <= 0) return kInf;
     const double root = std::sqrt(stale);
     const double d = m * (root * std::sqrt(root));

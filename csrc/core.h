@@ -5,7 +5,7 @@
 // Keep the order of every loop and every floating-point sum identical to the twin.
 //
 // Records are addressed by small integers that are reused only after the driver has
-// drained them (see drain()). Numbered invariants: dtr/NOTES.md.
+// drained them (see drain()). Numbered invariants: docs/design.md.
 #pragma once
 
 #include <cstdint>
@@ -181,7 +181,7 @@ class Core {
   int64_t evictions = 0;
   int64_t eager_evictions = 0;
   int64_t step = 0;  // steps closed by end_step()
-  // The thrash stop (dtr/NOTES.md, "Thrash stop"): with thrash > 1, a step reruns at
+  // The thrash stop (docs/design.md, "Thrash stop"): with thrash > 1, a step reruns at
   // most (thrash - 1) x max(its ops so far, the previous step's ops, kThrashFloor)
   // recipes, and remat_step raises BudgetExceeded rather than start one more. The
   // simulator's cap (replay.cpp: recomputation within (thrash - 1) x the baseline) in

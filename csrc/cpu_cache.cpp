@@ -1,4 +1,4 @@
-// A caching CPU allocator, installed while a session is open (dtr/NOTES.md, "The
+// A caching CPU allocator, installed while a session is open (docs/design.md, "The
 // allocator at the step"): with a cache in the native engine, as a meter only (no idle
 // blocks kept) in the subclass engine and with cache=0.
 //

@@ -16,7 +16,7 @@
 //
 // Values, Nodes, Recipes and wrappers stay Python objects shared with the Python path;
 // what moves here is the interpreter's work between them: taking the call apart,
-// locking, recording, draining, settling, recomputing (dtr/NOTES.md, "The per-op fast
+// locking, recording, draining, settling, recomputing (docs/design.md, "The per-op fast
 // path").
 //
 // This file: the op path. fastpath_remat.cpp: the recomputation (the driver loop and

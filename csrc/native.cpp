@@ -1,4 +1,4 @@
-// The native engine (experimental; dtr/NOTES.md, "The PrivateUse1 route"): managed tensors
+// The native engine (experimental; docs/design.md, "The PrivateUse1 route"): managed tensors
 // are a C++ TensorImpl carrying the PrivateUse1 dispatch key (device still that of their
 // value), and every op reaches one boxed fallback, with no Python on the way: the session
 // includes PrivateUse1 in its thread's TLS key set, so ops on plain tensors come here too
@@ -847,7 +847,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
       what =
           "whose storage has since been freed outside dtr's view (storage resize_(0), as "
           "FSDP2's fully_shard does to unsharded parameters). Keep such code out of "
-          "dtr.enable(), or run without a budget; see dtr/NOTES.md, 'Composing with DDP "
+          "dtr.enable(), or run without a budget; see docs/distributed.md, 'Composing with DDP "
           "and FSDP'";
     else if (stored && !p.t.storage().is_alias_of(p.storage))
       what =

@@ -17,7 +17,7 @@ small integers that are reused after the driver has drained them:
 * **recipe** (rid): one op call. Its inputs, its outputs (shared by all of them), its
   cost. Recomputing it refills every kept output.
 
-See ``dtr/NOTES.md`` for the numbered invariants that the comments cite.
+See ``docs/design.md`` for the numbered invariants that the comments cite.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ HEURISTICS = (
     "dtr_held34",
 )
 # What dtr.enable() evicts by when no heuristic is given: the paper's h_DTR with the
-# neighbourhood the program still holds (README "Heuristics" gives the measurements).
+# neighbourhood the program still holds (docs/heuristics.md gives the measurements).
 DEFAULT_HEURISTIC = "dtr_held"
 
 # The thrash stop's smallest allowance, in ops (Core.thrash; csrc/core.h kThrashFloor).
@@ -174,7 +174,7 @@ class PyCore:
         self.evictions = 0
         self.eager_evictions = 0
         self.step = 0  # steps closed by end_step()
-        # The thrash stop (dtr/NOTES.md, "Thrash stop"): with thrash > 1, a step reruns at
+        # The thrash stop (docs/design.md, "Thrash stop"): with thrash > 1, a step reruns at
         # most (thrash - 1) x max(its ops so far, the previous step's ops, THRASH_FLOOR)
         # recipes, and remat_step raises BudgetError rather than start one more. 0: no stop.
         self.thrash = 0.0

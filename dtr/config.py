@@ -48,12 +48,12 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
 
-# The thrash stop (Core.thrash, dtr/NOTES.md "Thrash stop"): a step may recompute at most
+# The thrash stop (Core.thrash, docs/design.md "Thrash stop"): a step may recompute at most
 # (thrash - 1) x its op count (at least the previous step's, and 1000) before dtr.BudgetError.
 THRASH_DEFAULT = 21.0
 
 # Exact victim search up to this many evictable pools, sampled beyond (bench/search_scaling
-# and dtr/NOTES.md "Victim search" for the measurements behind the number).
+# and docs/design.md "Victim search" for the measurements behind the number).
 SEARCH_SAMPLE_DEFAULT = 512
 
 

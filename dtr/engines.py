@@ -1,6 +1,6 @@
 """Which engine runs a session: the rule behind ``engine="auto"``, dtr.enable()'s default.
 
-dtr has two engines that make the same decisions with the same core (dtr/NOTES.md):
+dtr has two engines that make the same decisions with the same core (docs/design.md):
 
 - "native": managed tensors are a C++ TensorImpl and every op goes to one C++ fallback
   (dtr/native.py, csrc/native.cpp); 0.9-1.8 us added per small op, whole steps within
@@ -22,7 +22,7 @@ import torch
 
 ENGINES = ("auto", "native", "subclass")
 RUNNABLE = ("native", "subclass")  # what "auto" resolves to
-# The subclass engine's name until the native engine became the default (2026-12).
+# An older name of the subclass engine, still accepted behind a DeprecationWarning.
 OLD_NAMES = {"default": "subclass"}
 
 

@@ -17,7 +17,7 @@ remembers each sparse transpose of a plain sparse tensor, and a recipe that read
 reads its source instead, taking the transpose again when it replays (`Rebuilt`).
 
 The native engine's twin is in csrc/native.cpp (`Made`), where the factories are seen as
-the fills of what they made (dtr/NOTES.md, "COO graph networks on the native engine").
+the fills of what they made (docs/design.md, "COO graph networks on the native engine").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The gradient hooks an engine puts on the leaves its ops read (dtr/NOTES.md, "Gradient
+"""The gradient hooks an engine puts on the leaves its ops read (docs/design.md, "Gradient
 hooks"), shared by both engines."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The native engine: managed tensors as a C++ TensorImpl, every op through one C++
-fallback with no Python per op (csrc/native.cpp; dtr/NOTES.md, "The PrivateUse1 route").
+fallback with no Python per op (csrc/native.cpp; docs/design.md, "The PrivateUse1 route").
 dtr.enable() runs it on a CPU-only machine (engine="auto", dtr/engines.py).
 
     with dtr.enable(budget="1GiB", engine="native") as session:   # or dtr.native.enable

@@ -17,8 +17,9 @@ long as the managed tensor pinned, and in ``t.detach().numpy()`` the detached on
 at once). ``data_ptr()``/``const_data_ptr()``, ``share_memory_()`` and
 ``untyped_storage()`` pin too, so an address holds for the tensor's life, as in eager;
 torch.multiprocessing's reductions reach the storage through ``untyped_storage()``, so a
-managed tensor sent to another process shares its pinned value, as in eager. Found by calling every
-``torch.Tensor`` method on a managed tensor against eager (sixth session): the legacy
+managed tensor sent to another process shares its pinned value, as in eager. Calling every
+``torch.Tensor`` method on a managed tensor against eager (tests/test_tensor_methods.py)
+shows why each is here: the legacy
 constructors ``new()``/``new_tensor()`` take their backend from the dispatch keys
 (PrivateUse1: a crash, or a missing ``torch.privateuseone`` module), so a plain tensor
 of the same dtype and device answers them; ``is_shared()`` of an evicted value aborted

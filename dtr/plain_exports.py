@@ -15,8 +15,8 @@ do not: programs and libraries call them constantly to read sizes and identities
 (memory accounting, tied-weight checks, serialization), and counting each as a write
 would pin the readers of every parameter so read. A write through a raw pointer of a
 plain tensor is therefore not seen (README, Limits). The methods are replaced on
-``torch.Tensor`` for the life of the process (the first session installs them); with no
-session open they go straight to PyTorch's.
+``torch.Tensor`` for the life of the process (the first ``dtr.enable()`` block installs
+them); with no session open they go straight to PyTorch's.
 """
 
 from __future__ import annotations

@@ -179,7 +179,7 @@ def freed_error(name: str, t: torch.Tensor) -> UnsupportedError:
         t,
         "whose storage has since been freed outside dtr's view (storage resize_(0), as "
         "FSDP2's fully_shard does to unsharded parameters). Keep such code out of "
-        "dtr.enable(), or run without a budget; see dtr/NOTES.md, 'Composing with DDP "
+        "dtr.enable(), or run without a budget; see docs/distributed.md, 'Composing with DDP "
         "and FSDP'",
     )
 

@@ -7,7 +7,7 @@ fit the budget again. With the C++ core, ops go first to the per-op fast path
 (``csrc/fastpath.cpp``, ``Runtime.dispatch``), which does the same for the common op in
 one call into C++ and hands every other op to ``handle()``. The bookkeeping is the
 core's (``dtr._C.Core`` or its Python twin); this module holds the values and executes
-recipes. Numbered invariants: ``dtr/NOTES.md``.
+recipes. Numbered invariants: ``docs/design.md``.
 """
 
 from __future__ import annotations

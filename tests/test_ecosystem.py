@@ -6,12 +6,10 @@ mode, DataLoader workers, parametrizations, GradScaler, channels_last, complex n
 TorchScript, torch.fx, EMA, distributions, forward-mode AD, MAML, pruning, QAT,
 optimizers stepped from hooks, ...). Each runs eagerly and inside
 `dtr.enable(stress=True)` (every evictable tensor evicted after every op, so every reuse
-is a recomputation), under both engines, and must return bitwise the same tensors. A
-sweep of these in the seventh session found two bugs, fixed and tested elsewhere:
-sparse tensors (tests/test_sparse.py) and torch.export's FakeTensors
-(tests/test_runtime.py); none of the programs here needed a fix. (Nested jagged
-tensors built from managed ones, served by the native engine, were refused by the
-default one until the eighth session: the last test here.)
+is a recomputation), under both engines, and must return bitwise the same tensors. Sparse
+tensors and torch.export's FakeTensors are tested elsewhere (tests/test_sparse.py,
+tests/test_runtime.py); nested jagged tensors built from managed ones are the last
+test here.
 """
 
 from __future__ import annotations
@@ -887,7 +885,8 @@ def test_nested_jagged_tensors_of_managed_values(engine, mode):
     # A jagged tensor is a Python subclass over a values tensor, here a managed one. The
     # native engine serves its ops as any other (the values are ordinary managed
     # tensors); the subclass engine lets the subclass serve each op on its values, whose
-    # ops then reach dtr (it refused them by name before the eighth session), and its
+    # ops then reach dtr (its mode returns NotImplemented for an op mixing a managed and a
+    # jagged tensor), and its
     # constructor reads the values' storage size without pinning them (every value was
     # pinned, and no budget below the peak could be met).
     want = _nested_jagged()

@@ -859,9 +859,9 @@ class _SpyLock:
 
 @pytest.mark.parametrize("what", ["op", "read"])
 def test_block_ends_while_another_thread_waits_for_the_runtime(core, what):
-    # Found by reading the code: an op from another thread that waited for the runtime
-    # while the block ended was recorded by the closed runtime, and stress mode then
-    # evicted its inputs and output for good ("could not be recomputed").
+    # An op from another thread that waited for the runtime while the block ended must
+    # not be recorded by the closed runtime: stress mode would then evict its inputs and
+    # output for good ("could not be recomputed").
     x = torch.randn(64, 64, requires_grad=True)
     with dtr.enable(stress=True) as session:
         spy = session._runtime.lock = _SpyLock()

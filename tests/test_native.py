@@ -852,7 +852,8 @@ def test_bad_cache_size_is_a_config_error():
 def test_a_gradient_viewing_a_larger_buffer_stays_readable():
     """cat's backward hands v1 a slice of one buffer whose other slice still feeds v2's
     gradient: exported, then dropped, its pin ended and the buffer was evicted with the
-    program's gradient in it (its memory freed under p.grad). Found by the fuzz."""
+    program's gradient in it (its memory freed under p.grad) unless the engine keeps
+    exported storages."""
     g = torch.Generator().manual_seed(0)
     v1 = torch.randn(24, 4, generator=g).requires_grad_()
     v2 = torch.randn(40, 4, generator=g).requires_grad_()

@@ -13,7 +13,7 @@ be plain tensors after the block.
 
 The in-place form of each op that has one (``test_inplace[add-float32]`` runs
 ``x.add_(y)``) is checked the same way: it exercises new versions of managed tensors and
-recipes that replay on a copy of the old value (NOTES.md, Invariant 4).
+recipes that replay on a copy of the old value (docs/design.md, Invariant 4).
 
 The same sweep runs under the native engine (``dtr.native.enable(stress=True,
 check=True)``; ``test_native_op``, ``test_native_inplace``), where managed tensors are a
@@ -579,7 +579,7 @@ def test_op(op, dtype):
 @pytest.mark.parametrize(("op", "dtype"), _params(inplace=True))
 def test_inplace(op, dtype):
     """The in-place form (x.add_(y) for add): new versions of managed tensors, recipes
-    that replay on a copy of the old value or steal its storage (NOTES.md, Invariant 4)."""
+    that replay on a copy of the old value or steal its storage (docs/design.md, Invariant 4)."""
     _check(op, dtype, inplace=True)
 
 

@@ -366,7 +366,7 @@ def test_cpp_replay_and_python_driver_agree_on_prototype_traces():
     ],
 )
 def test_paper_overheads_at_half_budget(name, paper):
-    # The paper's simulator, h_DTR at 0.5 of the unconstrained peak (issue 3's numbers).
+    # The paper's simulator, h_DTR at 0.5 of the unconstrained peak (the paper's numbers).
     prog = sim.load(_find(name))
     res = sim.simulate(prog, "dtr", ratio=0.5)
     assert res.status == "ok"
@@ -388,8 +388,8 @@ PAPER_SMALLEST = {  # smallest feasible ratio on the 0.05 grid: h_DTR, h_DTR^eq,
 @needs_prototype
 @pytest.mark.parametrize("name", sorted(PAPER_SMALLEST))
 def test_paper_smallest_feasible_ratios(name):
-    # The paper's simulator's smallest feasible ratios (issue 3), reached exactly: feasible
-    # there, infeasible one grid step below. The prototype's traces replay with the
+    # The paper's simulator's smallest feasible ratios (as the paper reports them),
+    # reached exactly: feasible there, infeasible one grid step below. The prototype's traces replay with the
     # paper's staleness clock (core.request_stamps); dtr's own clock, stamping on every
     # lock and rerun, stopped one or more steps short on four traces.
     prog = sim.load(_find(name))
@@ -406,7 +406,7 @@ def test_paper_smallest_feasible_ratios(name):
 def test_overheads_against_the_papers_simulator(name):
     # The paper's simulator itself, run on these traces for h_DTR, h_DTR^eq and h_MSPS
     # at 0.5, 0.4, 0.3 and 0.2 (bench/reference/simrd.csv): the same feasibility, and an
-    # overhead at most 5% above its own (issue 3's target).
+    # overhead at most 5% above its own (the target).
     from bench.simulate import PAPER, simrd_reference
 
     label = PAPER[name][0]
@@ -420,7 +420,7 @@ def test_overheads_against_the_papers_simulator(name):
             assert res.overhead <= 1.05 * want["overhead"], (heuristic, ratio, res.overhead)
 
 
-# issue 3's rule for a heuristic of our own: a strictly lower smallest feasible ratio
+# the acceptance rule for a heuristic of our own: a strictly lower smallest feasible ratio
 # than h_DTR on at least four traces, and no more than 5% more overhead on any. Smallest
 # feasible ratios on the 0.05 grid, dtr / dtr_held34 (bench.simulate's sweep).
 HELD34_SMALLEST = {

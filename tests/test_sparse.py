@@ -4,9 +4,8 @@ dtr manages no sparse tensor's parts; a plain sparse tensor a managed op reads (
 network's adjacency in `torch.sparse.mm(adj, h)` or `adj @ h`) is a constant of the op's
 recipe, so the op's output is evicted and recomputed like any other
 (dtr/storage_keys.py). Sparse results stay plain: an embedding's sparse gradient, whose
-values are a managed tensor's memory, pins that tensor on the native engine. Until the
-seventh session each of these raised "mixes a managed tensor with a non-strided one",
-and SparseAdam's sparse update to a parameter was a write dtr did not see.
+values are a managed tensor's memory, pins that tensor on the native engine. SparseAdam's sparse update to a parameter is a write dtr must
+see.
 """
 
 from __future__ import annotations
@@ -265,8 +264,7 @@ def test_coo_backward_holds_no_transpose_per_product(setup, written_before, monk
     # adj's version counter after the op, and a version read as the op returns (0, its
     # own) is not the one a later read sees (adj's, 1 here). The native engine reads it
     # when the next op comes; the subclass engine accepts the source's counter once the
-    # copy is its view (it held one transpose per backward product here until the ninth
-    # session).
+    # copy is its view (otherwise it would hold one transpose per backward product here).
     engine = _engine(setup, monkeypatch)
     adj = _adjacency(400, torch.sparse_coo)
     if written_before:

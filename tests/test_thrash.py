@@ -1,4 +1,4 @@
-"""The thrash stop (Core.thrash, dtr/NOTES.md "Thrash stop") and what a run that fails on
+"""The thrash stop (Core.thrash, docs/design.md "Thrash stop") and what a run that fails on
 its budget leaves: nothing allocated past the budget while the block ends, and tensors
 held from it either right or refused with a dtr: error when read."""
 

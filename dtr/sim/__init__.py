@@ -147,7 +147,7 @@ def simulate(
     core = _make_core(
         heuristic, budget, seed, "python" if engine == "python" else "c++", sample, min_evict_bytes
     )
-    # The prototype's traces replay on the paper's staleness clock (dtr/NOTES.md, "Two
+    # The prototype's traces replay on the paper's staleness clock (docs/design.md, "Two
     # replay semantics"); ours on the live runtime's, so a replay decides as the run did.
     core.request_stamps = prog.mode == program.PROTOTYPE
     if prog.budget_at and str(budget) != prog.meta.get("BUDGET"):
