@@ -152,7 +152,7 @@ def brute_force(g: cm.Graph, budget: int) -> float | None:
     best = None
     for bits in itertools.product((False, True), repeat=len(cells)):
         R = np.eye(n, dtype=bool)
-        for (t, i), bit in zip(cells, bits):
+        for (t, i), bit in zip(cells, bits, strict=True):
             R[t, i] = bit
         compute = float((R * g.costs).sum()) + g.fixed_cost
         S = minimal_keeps(g, R)

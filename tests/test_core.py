@@ -334,9 +334,9 @@ class Program:
                     nbytes.append(rng.randint(1, 64) * 16)
             outs = core.record(inputs + consts, rng.random(), kinds, refs, nbytes)
             self.sizes[core.recipe_of(outs[0])] = [
-                core.pool_bytes(o) if k == VERSION else b for o, k, b in zip(outs, kinds, nbytes)
+                core.pool_bytes(o) if k == VERSION else b for o, k, b in zip(outs, kinds, nbytes, strict=True)
             ]
-            for o, k, r in zip(outs, kinds, refs):
+            for o, k, r in zip(outs, kinds, refs, strict=True):
                 if k == VERSION:
                     self.held.remove(r)
                 self.held.append(o)
@@ -418,7 +418,7 @@ def test_cpp_and_python_cores_decide_alike(heuristic, seed, sample):
         for _ in range(400):
             prog.step()
         logs.append(prog.log)
-    for k, (a, b) in enumerate(zip(*logs)):
+    for k, (a, b) in enumerate(zip(*logs, strict=True)):
         assert a == b, f"entry {k}: python {a} != c++ {b}"
     assert len(logs[0]) == len(logs[1])
 

@@ -42,7 +42,7 @@ STRESS = {"stress": True, "check": True}
 def _check(fn, **kwargs):
     expected, got, stats, exact = eager_and_dtr(fn, DEV, **kwargs)
     assert len(got) == len(expected)
-    for i, (e, g) in enumerate(zip(expected, got)):
+    for i, (e, g) in enumerate(zip(expected, got, strict=True)):
         assert_matches(g, e, exact, f"value {i}")
     return stats
 

@@ -281,10 +281,10 @@ def test_ddp_ranks_really_synchronize(results, scenario):
     assert a.losses != b.losses
     assert all(
         torch.equal(x, y)
-        for step_a, step_b in zip(a.grads, b.grads)
-        for x, y in zip(step_a, step_b)
+        for step_a, step_b in zip(a.grads, b.grads, strict=True)
+        for x, y in zip(step_a, step_b, strict=True)
     )
-    assert all(torch.equal(x, y) for x, y in zip(a.params, b.params))
+    assert all(torch.equal(x, y) for x, y in zip(a.params, b.params, strict=True))
 
 
 @pytest.mark.parametrize("engine", ENGINES)

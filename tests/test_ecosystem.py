@@ -181,7 +181,7 @@ def hessian_vector_product():
     loss = m(x).square().sum()
     gs = torch.autograd.grad(loss, params, create_graph=True)
     v = [torch.ones_like(p) for p in params]
-    dot = sum((g * vv).sum() for g, vv in zip(gs, v))
+    dot = sum((g * vv).sum() for g, vv in zip(gs, v, strict=True))
     hv = torch.autograd.grad(dot, params)
     return [loss.detach()] + list(hv)
 
@@ -594,7 +594,7 @@ def maml_second_order():
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     loss = F.mse_loss(functional_call(m, params, (x,)), y)
     gs = torch.autograd.grad(loss, list(params.values()), create_graph=True)
-    fast = {k: v - 0.1 * g for (k, v), g in zip(params.items(), gs)}
+    fast = {k: v - 0.1 * g for (k, v), g in zip(params.items(), gs, strict=True)}
     outer = F.mse_loss(functional_call(m, fast, (x * 2,)), y)
     outer.backward()
     return [outer.detach()] + grads(m)
@@ -779,7 +779,7 @@ def many_optimizers():
     ]
     x = torch.randn(4, 16)
     for _ in range(2):
-        for m, o in zip(models, opts):
+        for m, o in zip(models, opts, strict=True):
             m(x).square().mean().backward()
             o.step()
             o.zero_grad()
@@ -859,7 +859,7 @@ def test_program_matches_eager_in_stress_mode(name, engine):
     want, got, stats, _ = eager_and_dtr(PROGRAMS[name], "cpu", engine=engine, stress=True)
     assert stats.remats > 0
     assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert_bitwise(a, b, f"value {i}")
 
 

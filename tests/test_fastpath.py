@@ -165,7 +165,7 @@ def test_in_place_and_random_ops_on_the_fast_path(stress, monkeypatch):
             for name in ("bernoulli_.float", "div_.Scalar", "relu_.default", "mul_.Scalar"):
                 assert counts["aten." + name] == 0, counts
     for got in results:
-        for a, b in zip(got, expected):
+        for a, b in zip(got, expected, strict=True):
             assert torch.equal(a, b)
 
 

@@ -262,9 +262,9 @@ def _trains_bitwise_after(core_kwargs: dict) -> None:
     torch.manual_seed(5)
     with dtr.enable(**core_kwargs) as session:
         got = _train(model, _batches(3), opt)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert_bitwise(g, e, "loss")
-    for p, q in zip(model.parameters(), eager.parameters()):
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         assert_bitwise(p.detach(), q.detach(), "parameter")
     assert session.stats().remats > 0
 
@@ -289,7 +289,7 @@ def test_budget_below_the_parameters_fails_at_the_first_op(core):
     # A clean state: no session, the model untouched, and eager work on it plain again
     # (dtr's gradient hooks are gone).
     assert dtr.session.current() is None
-    for p, b in zip(model.parameters(), before):
+    for p, b in zip(model.parameters(), before, strict=True):
         assert p.grad is None and torch.equal(p.detach(), b)
     model(x).sum().backward()
     assert all(type(p.grad) is torch.Tensor for p in model.parameters())
@@ -383,12 +383,12 @@ def test_detaching_evicted_values_needs_no_memory(engine):
         session.set_budget(64 * 64 * 4)  # x alone: no recomputation fits
         detached = [h.detach() for h in hs]
         assert session.stats().remats == remats
-        assert all(h.requires_grad and not d.requires_grad for h, d in zip(hs, detached))
+        assert all(h.requires_grad and not d.requires_grad for h, d in zip(hs, detached, strict=True))
         session.set_budget(None)
-        for d, e in zip(detached, hs_eager):
+        for d, e in zip(detached, hs_eager, strict=True):
             assert torch.equal(dtr.materialize(d), e.detach())
         assert session.stats().remats > remats  # they were evicted
-    for h, d, e in zip(hs, detached, hs_eager):
+    for h, d, e in zip(hs, detached, hs_eager, strict=True):
         assert torch.equal(h.detach(), e.detach()) and torch.equal(d, e.detach())
 
 
@@ -408,9 +408,9 @@ def test_budget_error_caught_inside_the_block_then_training_goes_on(core):
         session.set_budget(budget)
         got = _train(model, batches, opt)
     assert session.stats().evictions > 0
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert_bitwise(g, e, "loss")
-    for p, q in zip(model.parameters(), eager.parameters()):
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         assert_bitwise(p.detach(), q.detach(), "parameter")
 
 
@@ -494,9 +494,9 @@ def test_keyboard_interrupt_in_a_forward_hook(core):
     with dtr.enable(budget=int(_mlp_peak() * 0.6), cost_model="roofline") as session:
         got_losses = _train(model, _batches(2), opt)
     assert session.stats().evictions > 0
-    for g, e in zip(got_losses, expected_losses):
+    for g, e in zip(got_losses, expected_losses, strict=True):
         assert_bitwise(g, e, "loss")
-    for p, q in zip(model.parameters(), eager.parameters()):
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
         assert_bitwise(p.detach(), q.detach(), "parameter")
 
 

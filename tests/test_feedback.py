@@ -45,7 +45,7 @@ def test_timeline_records_every_op_boundary(core, tmp_path):
     assert len(tl) > 0 and tl.budget_bytes == TIGHT
     assert all(len(getattr(tl, c)) == len(tl) for c in ("name", "backward", "remats"))
     assert max(tl.resident_bytes) <= TIGHT  # settled op boundaries are within the budget
-    assert all(b >= r for b, r in zip(tl.before_bytes, tl.resident_bytes))
+    assert all(b >= r for b, r in zip(tl.before_bytes, tl.resident_bytes, strict=True))
     assert max(tl.before_bytes) <= stats.max_transient_bytes
     assert tl.evictions == sorted(tl.evictions) and tl.remats == sorted(tl.remats)
     assert tl.evictions[-1] <= stats.evictions and tl.remats[-1] == stats.remats

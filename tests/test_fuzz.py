@@ -838,7 +838,7 @@ class Interp:
         if not loss.requires_grad:
             return
         gs = torch.autograd.grad(loss, self.leaves, allow_unused=True)
-        for p, g in zip(self.leaves, gs):
+        for p, g in zip(self.leaves, gs, strict=True):
             self.grads.append(g.clone() if g is not None else torch.zeros(0))
             if g is not None:
                 p.data = p.data - 0.1 * g
@@ -886,7 +886,7 @@ def _broadcasts(a, b):
 
 
 def _overlaps(t: torch.Tensor) -> bool:
-    return any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape))
+    return any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape, strict=True))
 
 
 # ====================================================================== running
@@ -968,7 +968,7 @@ def compare(
     BudgetError, after which a value it evicted may be lost (refused when read)."""
     program = "\n  ".join(expected.lines)
     assert len(got.pool) == len(expected.pool), f"{what}: pool sizes differ\n  {program}"
-    for g, e in zip(got.pool, expected.pool):
+    for g, e in zip(got.pool, expected.pool, strict=True):
         if failed and lost(g.t):
             continue
         assert same_bits(g.t, e.t), f"{what}: {e.name} differs from eager\n  {program}"
@@ -976,14 +976,14 @@ def compare(
         assert flag, f"{what}: {e.name}.requires_grad differs from eager\n  {program}"
     if entries_only:
         return
-    for k, (g, e) in enumerate(zip(got.grads, expected.grads)):
+    for k, (g, e) in enumerate(zip(got.grads, expected.grads, strict=True)):
         assert same_bits(g, e), f"{what}: gradient {k} differs from eager\n  {program}"
-    for k, (g, e) in enumerate(zip(got.losses, expected.losses)):
+    for k, (g, e) in enumerate(zip(got.losses, expected.losses, strict=True)):
         assert same_bits(g, e), f"{what}: loss {k} differs from eager\n  {program}"
     assert got.branches == expected.branches, f"{what}: .item() branches differ\n  {program}"
     assert got.flags == expected.flags, f"{what}: requires_grad of copies differs\n  {program}"
     assert same_bits(got.after, expected.after), f"{what}: RNG stream shifted\n  {program}"
-    for g, e in zip(got.leaves, expected.leaves):
+    for g, e in zip(got.leaves, expected.leaves, strict=True):
         assert same_bits(g, e), f"{what}: leaf differs\n  {program}"
 
 

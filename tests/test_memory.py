@@ -178,7 +178,7 @@ def test_measure_allocator_takes_unmanaged_memory_off_the_budget(core, monkeypat
     got = train("cnn", steps=2, dtr_kwargs={**options, "measure": "allocator"})
     assert len(reads) >= got.stats.ops  # read at every op boundary
     assert got.losses == expected.losses
-    assert all(torch.equal(a, b) for a, b in zip(got.params, expected.params))
+    assert all(torch.equal(a, b) for a, b in zip(got.params, expected.params, strict=True))
     assert got.stats.unmanaged_bytes == other
     assert got.stats.peak_resident_bytes <= peak - other
     assert got.stats.evictions > own.stats.evictions and got.stats.remats > 0
@@ -204,7 +204,7 @@ def test_each_heuristic_trains_the_cnn_at_half(heuristic, core):
         dtr_kwargs={"budget": peak // 2, "heuristic": heuristic, "cost_model": "roofline"},
     )
     assert got.losses == expected.losses
-    assert all(torch.equal(a, b) for a, b in zip(got.params, expected.params))
+    assert all(torch.equal(a, b) for a, b in zip(got.params, expected.params, strict=True))
     assert got.stats.peak_resident_bytes <= peak // 2
     assert got.stats.heuristic == heuristic
 

@@ -328,7 +328,7 @@ def test_conjugate_and_negative_views_keep_their_bit():
     with native.enable(stress=True):
         got = run(x, z)
         assert got[0].is_conj() and got[1].is_conj()
-    for e, g in zip(expect, got):
+    for e, g in zip(expect, got, strict=True):
         assert torch.equal(dtr.materialize(g).resolve_conj(), e.resolve_conj())
 
 
@@ -456,7 +456,7 @@ def test_timeline_and_per_step_logs_as_dtr_enables(caplog):
     assert len([r for r in caplog.records if r.getMessage().startswith("dtr step")]) == 3
     assert timeline.as_dict() == inside.as_dict()
     assert timeline.op[-1] == stats.ops and timeline.evictions[-1] == stats.evictions
-    assert all(b >= r for b, r in zip(timeline.before_bytes, timeline.resident_bytes))
+    assert all(b >= r for b, r in zip(timeline.before_bytes, timeline.resident_bytes, strict=True))
     assert max(timeline.resident_bytes) <= budget < max(timeline.before_bytes)
     assert "aten.addmm.default" in timeline.name and any(timeline.backward)
     with native.enable() as plain:
@@ -871,7 +871,7 @@ def test_a_gradient_viewing_a_larger_buffer_stays_readable():
     v1.grad = v2.grad = None
     with native.enable(check=True):
         got = run()
-    assert all(torch.equal(a, b) for a, b in zip(got, expect))
+    assert all(torch.equal(a, b) for a, b in zip(got, expect, strict=True))
 
 
 def test_a_plain_non_leaf_that_requires_grad_is_read_as_a_constant():
@@ -888,7 +888,7 @@ def test_a_plain_non_leaf_that_requires_grad_is_read_as_a_constant():
     expect = run()
     with native.enable(stress=True):
         got = run()
-    assert all(torch.equal(a, b) for a, b in zip(got, expect))
+    assert all(torch.equal(a, b) for a, b in zip(got, expect, strict=True))
 
 
 def test_the_peaks_are_the_blocks():

@@ -114,7 +114,7 @@ def differences(expected: Run, got: Run) -> list[str]:
     out = mismatches(expected, got)
     if len(expected.outputs) != len(got.outputs):
         out.append(f"{len(got.outputs)} outputs, expected {len(expected.outputs)}")
-    for i, (x, y) in enumerate(zip(expected.outputs, got.outputs)):
+    for i, (x, y) in enumerate(zip(expected.outputs, got.outputs, strict=True)):
         if type(y) is not torch.Tensor or x.dtype != y.dtype or not torch.equal(x, y):
             out.append(f"output {i}")
     return out
@@ -520,7 +520,7 @@ def test_batch_norm_recomputed_but_statistics_updated_once(monkeypatch, subclass
     expected, data = CASES["norms"].build(True)
     x, y = data[0][0]
     F.cross_entropy(expected(x), y).backward()
-    for got, want in zip(model.buffers(), expected.buffers()):
+    for got, want in zip(model.buffers(), expected.buffers(), strict=True):
         assert_bitwise(got, want, "running statistic")
 
 

@@ -123,7 +123,7 @@ def test_no_budget_evicts_on_demand_and_matches_eager(core):
     assert stats.oom_retries > 0 and stats.evictions > 0 and stats.remats > 0
     assert stats.budget_bytes is None
     assert torch.equal(loss, loss0)
-    for g, g0 in zip(grads, grads0):
+    for g, g0 in zip(grads, grads0, strict=True):
         assert type(g) is torch.Tensor and torch.equal(g, g0)
 
 
@@ -132,7 +132,7 @@ def test_on_demand_eviction_under_a_budget_too(core):
     _, grads, stats = _run(
         capacity=int(0.5 * free.peak_resident_bytes), budget=int(0.8 * free.peak_resident_bytes)
     )
-    assert stats.oom_retries > 0 and all(torch.equal(g, g0) for g, g0 in zip(grads, grads0))
+    assert stats.oom_retries > 0 and all(torch.equal(g, g0) for g, g0 in zip(grads, grads0, strict=True))
 
 
 def test_nothing_left_to_evict_is_a_budget_error_with_the_numbers(core):

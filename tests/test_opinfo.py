@@ -351,7 +351,7 @@ def compare_results(expected: Result, actual: Result, mode: str, tol) -> str | N
     for what, xs, ys in pairs:
         if len(xs) != len(ys):
             return f"{len(ys)} {what}s, eager has {len(xs)}"
-        for i, (x, y) in enumerate(zip(xs, ys)):
+        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
             if (x is None) != (y is None):
                 return f"{what} {i}: {y!r} where eager has {x!r}"
             diff = None if x is None else compare(x, y, mode, tol)

@@ -86,7 +86,7 @@ def test_profiler_in_a_session_reports_eagers_shapes_and_remat_ranges(engine, mo
     assert ranges == stats.remats  # one range per recipe rerun, close's included
     assert _shapes(prof) == _shapes(eager)
     assert any(e.cpu_memory_usage != 0 for e in prof.events())  # profile_memory's events
-    for p, want in zip(m.parameters(), want_grads):
+    for p, want in zip(m.parameters(), want_grads, strict=True):
         assert torch.equal(p.grad, want)
 
     trace = tmp_path / "trace.json"

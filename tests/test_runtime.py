@@ -32,7 +32,7 @@ def _check(fn, device, **kwargs):
     """_run, then every value fn returned equals eager's (bitwise where exact)."""
     expected, got, stats, exact = eager_and_dtr(fn, device, **kwargs)
     assert len(got) == len(expected)
-    for i, (e, g) in enumerate(zip(expected, got)):
+    for i, (e, g) in enumerate(zip(expected, got, strict=True)):
         assert_matches(g, e, exact, f"value {i}")
     return stats
 
@@ -501,7 +501,7 @@ def test_optimizers_see_plain_grads(make_opt, device, core):
 
     with deterministic(device) as nondeterministic:
         (expected, _), (got, state) = train(False), train(True)
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=True):
         assert_matches(g, e, not nondeterministic, "parameter")
     for per_param in state["state"].values():
         for v in per_param.values():
@@ -529,7 +529,7 @@ def test_optimizer_made_inside_the_block_keeps_plain_state(name, core):
         assert all(type(v) is torch.Tensor for v in states if isinstance(v, torch.Tensor))
         return [p.detach().clone() for p in model.parameters()]
 
-    for e, g in zip(train(False), train(True)):
+    for e, g in zip(train(False), train(True), strict=True):
         assert torch.equal(g, e)
 
 
@@ -786,7 +786,7 @@ def test_asynchronous_copies_are_replayed_blocking(core):
     with dtr.enable(stress=True, check=True) as session:
         got = fn(True)
     assert session.stats().remats > 0
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
 
 

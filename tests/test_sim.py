@@ -393,7 +393,7 @@ def test_paper_smallest_feasible_ratios(name):
     # paper's staleness clock (core.request_stamps); dtr's own clock, stamping on every
     # lock and rerun, stopped one or more steps short on four traces.
     prog = sim.load(_find(name))
-    for heuristic, smallest in zip(("dtr", "dtr_eq", "msps"), PAPER_SMALLEST[name]):
+    for heuristic, smallest in zip(("dtr", "dtr_eq", "msps"), PAPER_SMALLEST[name], strict=True):
         assert sim.simulate(prog, heuristic, ratio=smallest).feasible, (heuristic, smallest)
         below = round(smallest - 0.05, 2)
         assert not sim.simulate(prog, heuristic, ratio=below).feasible, (heuristic, below)

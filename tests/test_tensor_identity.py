@@ -102,7 +102,7 @@ def test_out_resizes_a_managed_tensor_as_eager(engine, setting):
             shapes = [(t.shape, t.stride(), t.storage_offset()) for t in got]
             got = [dtr.materialize(t) for t in got]
     assert shapes == [(t.shape, t.stride(), t.storage_offset()) for t in want]
-    for g, t in zip(got, want):
+    for g, t in zip(got, want, strict=True):
         _same(g, t)
     assert session.stats().remats > 0
     # the resize warns when the program runs it, not again when it is recomputed
@@ -171,7 +171,7 @@ def test_copies_of_views_share_storage_as_in_eager(engine, setting, how):
     for ts in (got, want):
         with torch.no_grad():
             ts[0].add_(1)
-    for g, t in zip(got, want):
+    for g, t in zip(got, want, strict=True):
         assert torch.equal(g.detach(), t.detach())
 
 
@@ -216,7 +216,7 @@ SGD = textwrap.dedent(
         got = train()
         assert all(type(t) is torch.Tensor for t in got[:2])
     assert session.stats().remats > 0
-    assert all(torch.equal(dtr.materialize(g), t) for g, t in zip(got, want))
+    assert all(torch.equal(dtr.materialize(g), t) for g, t in zip(got, want, strict=True))
     print("bitwise equal")
     """
 )
@@ -263,7 +263,7 @@ def test_data_replaced_on_a_plain_tensor_a_recipe_reads(engine, setting, replace
     with _session(engine, setting, budget="48KiB") as session:
         got = _replace_weight(torch.nn.Parameter(w.detach().clone()), v, x, replace)
         got = [dtr.materialize(t) for t in got]
-    for g, t in zip(got, want):
+    for g, t in zip(got, want, strict=True):
         assert torch.equal(g, t)
     assert session.stats().remats > 0
 

@@ -127,7 +127,7 @@ def test_the_refused_programs_do_differ_without_the_refusal(monkeypatch):
         expected = [t.detach().clone() for t in fn()]
         with dtr.enable(engine="subclass"):
             got = [dtr.materialize(t).clone() for t in fn()]
-        assert any(not torch.equal(g, e) for g, e in zip(got, expected)), fn.__name__
+        assert any(not torch.equal(g, e) for g, e in zip(got, expected, strict=True)), fn.__name__
 
 
 def _note_only(self, op, k, node):

@@ -40,7 +40,7 @@ def _train(name, loss_fn_of, steps=2):
 def _equal(xs, ys):
     return len(xs) == len(ys) and all(
         (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
-        for x, y in zip(xs, ys)
+        for x, y in zip(xs, ys, strict=True)
     )
 
 
@@ -50,7 +50,7 @@ def test_static_checkpointing_is_eager_bit_for_bit(name, mode):
     eager = _train(name, lambda model: lambda batch: MODELS[name].loss(model, batch))
     static = _train(name, lambda model: vs_static.static_loss(name, model, mode))
     assert static[0] == eager[0]  # losses
-    assert all(_equal(a, b) for a, b in zip(static[1], eager[1]))  # gradients, every step
+    assert all(_equal(a, b) for a, b in zip(static[1], eager[1], strict=True))  # gradients, every step
     assert _equal(static[2], eager[2])  # parameters and buffers (BatchNorm statistics)
     assert torch.equal(static[3], eager[3])  # the same random draws consumed
 
@@ -160,7 +160,7 @@ def test_confirm_times_each_static_point_and_its_dtr_run_again():
     statics = [r for r in rows if r["method"] == "checkpoint"]
     points, _ = vs_static.targets(rows)
     confirmed = 0
-    for s, p in zip(statics, points):
+    for s, p in zip(statics, points, strict=True):
         best = vs_static._dtr_at(rows, s)
         if best is None:
             assert "confirm" not in s and not p["met"]

@@ -18,7 +18,7 @@ CASES = [("gpt2", 0.5), ("swin_small_config", 0.7), ("lstmcell_lm", 1.0)]
 @pytest.mark.parametrize("name,ratio", CASES, ids=[c[0] for c in CASES])
 def test_zoo_entry_trains_bitwise_under_a_budget(engine, name, ratio):
     rows, _ = zoo.sweep(zoo.ZOO[name], engine, [ratio], timed=0, timeout=300, progress=lambda n=1: None)
-    by_config = {r[3]: dict(zip(zoo.HEADER, r)) for r in rows}
+    by_config = {r[3]: dict(zip(zoo.HEADER, r, strict=True)) for r in rows}
     assert set(by_config) == {"eager", "no budget", f"a{ratio:g}"}
     for config, row in by_config.items():
         assert row["status"] == "ok", f"{name} {config}: {row['status']} {row['detail']}"

@@ -80,10 +80,20 @@ def eager_and_dtr(fn, device, **kwargs):
 
 
 def assert_bitwise(actual, expected, what: str = "value") -> None:
-    """Equal in every bit, and plain tensors (not dtr wrappers)."""
+    """Equal in every bit, and plain tensors: neither dtr wrappers nor the native engine's
+    managed tensors (whose type is torch.Tensor too)."""
     assert type(actual) is torch.Tensor, f"{what}: got {type(actual).__name__}, not a plain tensor"
+    assert not _native_managed(actual), f"{what}: a native engine's managed tensor, not a plain one"
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
     assert torch.equal(actual, expected), f"{what} differs from eager"
+
+
+def _native_managed(t: torch.Tensor) -> bool:
+    try:
+        from dtr import _C
+    except ImportError:  # no C++ extension: no native engine
+        return False
+    return _C.is_native(t)
 
 
 def assert_bitwise_with_remats(fn, engine: str, mode: dict):
@@ -91,7 +101,7 @@ def assert_bitwise_with_remats(fn, engine: str, mode: dict):
     to eager in every value it returns, with recomputations made; returns the stats."""
     expected, got, stats, _ = eager_and_dtr(fn, "cpu", engine=engine, cost_model="roofline", **mode)
     assert len(got) == len(expected)
-    for i, (g, e) in enumerate(zip(got, expected)):
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert_bitwise(g, e, f"value {i}")
     assert stats.remats > 0
     return stats
