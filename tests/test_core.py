@@ -101,13 +101,6 @@ def test_the_staleness_exponent_weighs_an_old_dear_tensor_against_a_fresh_cheap_
         assert evicted == [want], heuristic
 
 
-@pytest.mark.parametrize("heuristic", ["dtr_held", "dtr_held34"])
-def test_dtr_held34_keeps_dtr_helds_neighbourhood(Core, heuristic):
-    # The released-descendant case below, at equal staleness (the exponent cancels):
-    # both leave d2 out of e*(x), so x (2) goes before y (4).
-    test_dtr_held_skips_released_descendants_below_the_children(Core, heuristic, "x")
-
-
 @pytest.mark.parametrize("heuristic", ["dtr", "dtr_eq", "dtr_held", "dtr_local"])
 def test_a_tie_goes_to_the_cheaper_recomputation(Core, heuristic):
     # a: cost 4, staleness 4; b: cost 1, staleness 1; equal sizes: both score exactly
@@ -462,7 +455,8 @@ def test_sampled_search_finds_the_one_evictable_pool(Core):
     core.check()
 
 
-@pytest.mark.parametrize("heuristic, want", [("dtr", "y"), ("dtr_held", "x")])
+# (dtr_held34 keeps dtr_held's neighbourhood: at equal staleness the exponent cancels.)
+@pytest.mark.parametrize("heuristic, want", [("dtr", "y"), ("dtr_held", "x"), ("dtr_held34", "x")])
 def test_dtr_held_skips_released_descendants_below_the_children(Core, heuristic, want):
     # x -> d1 -> d2 -> e, and y alone; every size 100. d2 is released (dead: it stays
     # only as e's lineage) and d1 is evicted. Then x or y must go, with equal sizes and
