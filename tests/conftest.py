@@ -94,3 +94,25 @@ def logged(monkeypatch):
 
     monkeypatch.setattr(dtr.runtime.Runtime, "__init__", patched)
     return cores
+
+
+# Markers by file, in one place (setup.cfg describes them); CI runs every marker.
+FILE_MARKS = {
+    "test_ddp.py": ("distributed",),
+    "test_cuda.py": ("accelerator",),
+    "test_bench_native.py": ("bench",),
+    "test_bench_overhead.py": ("bench",),
+    "test_bench_soak.py": ("bench",),
+    "test_max_batch.py": ("bench",),
+    "test_vs_static.py": ("bench",),
+    "test_zoo.py": ("bench", "slow"),
+    "test_fuzz.py": ("slow",),
+    "test_opinfo.py": ("slow",),
+    "test_notebooks.py": ("slow",),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name in FILE_MARKS.get(item.path.name, ()):
+            item.add_marker(getattr(pytest.mark, name))
