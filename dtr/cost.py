@@ -1,14 +1,16 @@
 """Cost models: what recomputing an op costs, as the heuristics see it.
 
-* ``time`` (default): the op's measured wall time. What the paper used; it varies from run
-  to run, so eviction decisions do too (results never do: every recomputation is exact).
-* ``roofline``: a deterministic estimate of the same quantity, the larger of compute time
-  and memory time on a nominal machine: ``max(FLOPs / 100 GFLOP/s, bytes / 10 GB/s)``,
+* ``roofline`` (default): a deterministic estimate of an op's wall time, the larger of
+  compute time and memory time on a nominal machine: ``max(FLOPs / 100 GFLOP/s, bytes / 10 GB/s)``,
   with FLOPs from ``torch.utils.flop_counter`` for the ops it knows (matmuls,
   convolutions, attention) and bytes the sizes of the op's tensor inputs and outputs. The
   same program under the same budget then evicts the same tensors in the same order.
   Pricing memory traffic matters: counting FLOPs alone makes elementwise ops look free
   next to convolutions, and the heuristics then keep the wrong tensors.
+* ``time``: the op's measured wall time, what the paper used. It varies from run to run,
+  and so do the eviction decisions built on it (results never do: every recomputation is
+  exact): how many evictions, and whether a tight budget is met at all. It is not the
+  default because the same program under the same budget should behave the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 COST_MODELS = ("time", "roofline")
+DEFAULT_COST_MODEL = "roofline"
 
 FLOPS_PER_SECOND = 100e9
 BYTES_PER_SECOND = 10e9
