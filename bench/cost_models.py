@@ -3,15 +3,15 @@
 
 Each model is trained as bench.zoo trains it (two steps checked against eager, one
 metered, then --timed timed steps), --repeats times per cost model and budget, from the
-same seeds, the two cost models' runs alternating. A budget is the parameters' bytes plus a fraction a of what dtr counts above
-them with no budget (bench.zoo's "a0.5"). Per model, budget and cost model: runs that met
-the budget, runs bitwise equal to eager, the range of evictions and recomputations over
-the runs, how many different (evictions, recomputations) pairs the runs made (1: the same
-decisions every run), the median timed step, time's median step over roofline's, and
-how the other runs failed ("infeasible": dtr.BudgetError). Prints a table and writes
-bench/results/cost_models.csv.
+same seeds, the two cost models' runs alternating. A budget is the parameters' bytes
+plus a fraction a of what dtr counts above them with no budget (bench.zoo's "a0.5").
+Per model, budget and cost model: runs that met the budget, runs bitwise equal to eager,
+the range of evictions and recomputations over the runs, how many different
+(evictions, recomputations) pairs the runs made (1: the same decisions every run), the
+median timed step, time's median step over roofline's, and how the other runs failed
+("infeasible": dtr.BudgetError). Prints a table and writes bench/results/cost_models.csv.
 
-    python -m bench.cost_models                 # both engines, about 3 minutes on 2 busy cores
+    python -m bench.cost_models      # both engines, about 3 minutes on 2 busy cores
     python -m bench.cost_models --models gpt2 --ratios 0.5 --repeats 5
 """
 
