@@ -2296,7 +2296,7 @@ void bind(py::module_& m) {
              return std::make_shared<Engine>(heuristic, budget, seed, cost_model == "roofline");
            }),
            py::arg("heuristic") = "dtr", py::arg("budget") = -1, py::arg("seed") = 0,
-           py::arg("cost_model") = "time")
+           py::arg("cost_model") = "roofline")
       .def("activate",
            [](std::shared_ptr<Engine> self) {
              std::lock_guard<std::mutex> g(g_mu);

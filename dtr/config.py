@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from . import device as _device
 from . import engines as _engines
 from ._pycore import DEFAULT_HEURISTIC, HEURISTICS
-from .cost import COST_MODELS
+from .cost import COST_MODELS, DEFAULT_COST_MODEL
 from .errors import ConfigError
 from .units import ACCEPTED, MAX_BYTES, parse_bytes
 
@@ -72,7 +72,8 @@ class DTRConfig:
             every candidate). Keeps a decision O(search_sample) on huge graphs.
         check: verify the core's invariants after every op (slow; for tests).
         force_python: use the pure-Python core even when the C++ one is built.
-        cost_model: "time" (measured wall time) or "roofline" (deterministic estimate).
+        cost_model: "roofline" (deterministic estimate, the default) or "time" (measured
+            wall time, which makes eviction decisions differ from run to run).
         trace: path of an operator trace to write (see dtr.trace), or None.
         timeline: how many op boundaries to keep in session.timeline() (the newest);
             0 records none.
@@ -95,7 +96,7 @@ class DTRConfig:
     search_sample: int = SEARCH_SAMPLE_DEFAULT
     check: bool = False
     force_python: bool = False
-    cost_model: str = "time"
+    cost_model: str = DEFAULT_COST_MODEL
     trace: str | None = None
     timeline: int = 0
     log_steps: bool = False
@@ -328,7 +329,9 @@ def resolve(
         check = bool(_env_flag(env, ENV_DEBUG))
     cost_model = options.get("cost_model")
     if cost_model is None:
-        cost_model = _env_choice(env, ENV_COST_MODEL, "cost_model", "time", COST_MODELS)
+        cost_model = _env_choice(
+            env, ENV_COST_MODEL, "cost_model", DEFAULT_COST_MODEL, COST_MODELS
+        )
     trace = options.get("trace")
     if trace is None:
         trace = env.get(ENV_TRACE, "").strip() or None

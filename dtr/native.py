@@ -390,8 +390,8 @@ def enable(
             syntax as a budget, 0 for none; default 1 GiB); ``stress=True`` evicts every
             evictable tensor after every op, a testing mode (default: ``DTR_STRESS``);
             ``check=True`` verifies the core's invariants after every op (default:
-            ``DTR_DEBUG``); ``cost_model`` "time" or "roofline", as dtr.enable's
-            (default: ``DTR_COST_MODEL``, else "time"); ``trace`` a path to write an
+            ``DTR_DEBUG``); ``cost_model`` "roofline" or "time", as dtr.enable's
+            (default: ``DTR_COST_MODEL``, else "roofline"); ``trace`` a path to write an
             operator trace to for dtr.sim, compressed if it ends in ".gz" (default:
             ``DTR_TRACE``); ``timeline=True`` keeps resident bytes per op for
             :meth:`NativeSession.timeline`; ``log_steps=True`` logs a summary per

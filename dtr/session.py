@@ -325,11 +325,12 @@ def enable(budget: object = None, heuristic: str | None = None, **options) -> Se
             ``search_sample`` (default 512): exact victim search up to that many
             evictable pools, the best of that many sampled ones beyond (0: exact);
             ``check=True`` verifies the core's invariants after every op;
-            ``cost_model="roofline"`` makes eviction decisions deterministic (default
-            "time": measured wall time); ``trace="run.jsonl"`` records every op for
-            the simulator (dtr.sim); ``timeline=True`` keeps resident bytes per op for
-            :meth:`Session.timeline`; ``log_steps=True`` logs a summary per
-            optimizer step (:meth:`Session.end_step`); ``engine`` (or
+            ``cost_model`` "roofline" (the default: deterministic cost estimates, the
+            same evictions every run) or "time" (measured wall time);
+            ``trace="run.jsonl"`` records every op for the simulator (dtr.sim);
+            ``timeline=True`` keeps resident bytes per op for :meth:`Session.timeline`;
+            ``log_steps=True`` logs a summary per optimizer step
+            (:meth:`Session.end_step`); ``engine`` (or
             ``DTR_ENGINE``): "auto" (the default) runs the block on the native engine
             (C++ per op, CPU tensors only; :mod:`dtr.native`) unless the machine has an
             accelerator or something else rules it out (dtr/engines.py), else on the

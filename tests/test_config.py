@@ -160,10 +160,12 @@ def test_trace_path_that_is_a_folder_is_refused_at_enable(monkeypatch, tmp_path,
 
 
 def test_env_flags(monkeypatch):
+    assert resolve().cost_model == "roofline"  # the default: the same decisions every run
     monkeypatch.setenv("DTR_STRESS", "1")
-    monkeypatch.setenv("DTR_COST_MODEL", "roofline")
+    monkeypatch.setenv("DTR_COST_MODEL", "time")
     cfg = resolve()
-    assert cfg.stress and cfg.cost_model == "roofline"
+    assert cfg.stress and cfg.cost_model == "time"
+    assert resolve(cost_model="roofline").cost_model == "roofline"  # the argument wins
     assert not resolve(stress=False).stress
 
 

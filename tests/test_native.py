@@ -552,6 +552,35 @@ def test_roofline_prices_as_dtr_cost_does(case):
         assert flops(func, tuple(args), {}, out) > 0  # the FLOP side was exercised
 
 
+def test_flops_are_priced_once_per_op_and_shapes():
+    """dtr/cost.py keeps each op's FLOPs by its arguments' shapes: a second call with the
+    same shapes is served from the cache with the formula's number, and other shapes (or
+    other non-tensor arguments: a convolution's stride) are priced again."""
+    from torch.utils.flop_counter import flop_registry
+
+    from dtr import cost
+
+    cost._FLOPS.clear()
+    for func, args in _roofline_cases():
+        out = func(*args)
+        formula = flop_registry.get(func.overloadpacket)
+        expect = 0.0 if formula is None else float(formula(*args, out_val=out))
+        assert cost.flops(func, tuple(args), {}, out) == expect
+        assert cost.flops(func, tuple(args), {}, out) == expect  # from the cache
+    assert cost._FLOPS  # the matmuls and convolutions were kept
+    mm = torch.ops.aten.mm.default
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    assert cost.flops(mm, (a, b), {}, mm(a, b)) == 2 * 8 * 16 * 4
+    a = torch.randn(3, 16)
+    assert cost.flops(mm, (a, b), {}, mm(a, b)) == 2 * 3 * 16 * 4
+    conv = torch.ops.aten.convolution.default
+    x, w = torch.randn(1, 2, 9, 9), torch.randn(3, 2, 3, 3)
+    for stride in ([1, 1], [2, 2]):
+        args = (x, w, None, stride, [0, 0], [1, 1], False, [0, 0], 1)
+        out = conv(*args)
+        assert cost.flops(conv, args, {}, out) == 2 * 3 * 2 * 9 * out.shape[2] * out.shape[3]
+
+
 def test_roofline_costs_repeat_the_same_evictions():
     """With the deterministic cost model, two runs of one program under one budget evict
     the same tensors in the same order (measured times would let them differ)."""
@@ -689,8 +718,9 @@ def test_trace_from_the_environment(tmp_path, monkeypatch):
 def test_bad_cost_model_is_a_config_error(monkeypatch):
     with pytest.raises(dtr.ConfigError, match="dtr: unknown cost_model 'flops'"):
         native.enable(cost_model="flops")
-    monkeypatch.setenv("DTR_COST_MODEL", "roofline")
     assert native.enable().config.cost_model == "roofline"
+    monkeypatch.setenv("DTR_COST_MODEL", "time")
+    assert native.enable().config.cost_model == "time"
 
 
 def _chain(x, w, n: int = 8):
