@@ -103,6 +103,7 @@ FILE_MARKS = {
     "test_bench_native.py": ("bench",),
     "test_bench_overhead.py": ("bench",),
     "test_bench_soak.py": ("bench",),
+    "test_bench_cost_models.py": ("bench",),
     "test_max_batch.py": ("bench",),
     "test_vs_static.py": ("bench",),
     "test_zoo.py": ("bench", "slow"),
