@@ -2116,6 +2116,25 @@ at::Tensor value_copy(const at::Tensor& t, bool whole_storage = false) {
   return copy;
 }
 
+// A gradient for .grad (dtr/grads.py's hand_out, Python's leaf hook): the value itself
+// when it is private (export_value: a new version takes its storage over), a plain copy
+// when other live tensors share its memory, as eager's AccumulateGrad copies a gradient
+// that something else holds. Exporting shared memory would pin the whole pool and every
+// reader of it for good (a profiler recording shapes holds each node's inputs, and then
+// every weight's gradient shares its pool with the product it is a transpose of).
+at::Tensor grad_value(Engine& e, const at::Tensor& t) {
+  NativeImpl* impl = as_native(t);
+  if (impl == nullptr) return t;
+  {
+    std::lock_guard<std::recursive_mutex> g(e.mu);
+    if (impl->eng_.get() == &e && e.open) {
+      e.flush();
+      if (!e.core.is_private(impl->tid())) return value_copy(t);
+    }
+  }
+  return export_value(e, t);
+}
+
 void read_values_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                        torch::jit::Stack* stack) {
   const c10::FunctionSchema& schema = op.schema();
@@ -2395,6 +2414,13 @@ void bind(py::module_& m) {
           [](Engine& e, const at::Tensor& t) {
             py::gil_scoped_release nogil;
             return export_value(e, t);
+          },
+          py::arg("tensor"))
+      .def(
+          "grad_value",
+          [](Engine& e, const at::Tensor& t) {
+            py::gil_scoped_release nogil;
+            return grad_value(e, t);
           },
           py::arg("tensor"))
       .def("end_step",

@@ -1,7 +1,9 @@
 """Gradients handed to ``.grad`` as plain tensors, shared by both engines' gradient hooks.
 
 Optimizers (foreach and fused paths included) must see plain gradients, so a managed
-gradient accumulated into a leaf's ``.grad`` is replaced by its exported value. After
+gradient accumulated into a leaf's ``.grad`` is replaced by its value: exported (pinned
+in place) when it is private, copied when other live tensors share its memory, as
+eager's AccumulateGrad copies a gradient something else holds. After
 ``backward(create_graph=True)`` that gradient is itself part of the graph (a gradient
 penalty written as ``(p.grad ** 2).sum()``): the plain value then stays connected to it,
 through ``_HandOut``, whose backward passes the incoming gradient on to the managed one.

@@ -276,7 +276,7 @@ class NativeSession:
         # (pinned) while the engine still holds it.
         grad = param.grad
         if grad is not None and self._engine.open and is_managed(grad):
-            param.grad = hand_out(grad, self._engine.export)
+            param.grad = hand_out(grad, self._engine.grad_value)
 
     def set_budget(self, budget) -> None:
         """Change the budget inside the block (bytes, or a string such as '2GiB'; None for

@@ -1055,7 +1055,19 @@ class Runtime(Driver):
         # Optimizers (foreach and fused paths included) see plain gradients.
         grad = param.grad
         if isinstance(grad, CheckpointTensor) and grad._dtr_ref.runtime is self:
-            param.grad = hand_out(grad, lambda g: self.export(g._dtr_ref))
+            param.grad = hand_out(grad, self._grad_value)
+
+    def _grad_value(self, g: CheckpointTensor) -> torch.Tensor:
+        """The plain gradient for .grad: the value itself when private (export), a copy
+        when other live tensors share its memory (csrc/native.cpp's grad_value)."""
+        ref = g._dtr_ref
+        with self.lock:
+            shared = self.is_open and not self.core.is_private(ref.node.tid)
+            if shared:
+                value = self.read(ref)
+                with internal():
+                    return value.clone()
+        return self.export(ref)
 
     def data_hooks(self) -> data_setter.Hooks:
         """What `t.data = new` does in this session (dtr/data_setter.py)."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dtr
+import dtr.native
 import dtr.sim as sim
 
 N = 32
@@ -252,3 +253,43 @@ def test_writes_through_an_exported_alias_of_a_value_that_requires_grad_match_ea
     engine, route
 ):
     _check(engine, STRESS, _exported_alias_program, ROUTES[route])
+
+
+class _GradFromAStash(torch.autograd.Function):
+    """w * 2, whose backward returns w's gradient as the first rows of a bigger buffer
+    that it also keeps (something other than .grad holding the gradient's memory)."""
+
+    stash: list = []
+
+    @staticmethod
+    def forward(ctx, w):
+        return w * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        big = torch.cat([g * 2, g * 3])
+        _GradFromAStash.stash.append(big)
+        return big[: g.shape[0]]
+
+
+def test_a_gradient_sharing_memory_with_a_live_tensor_is_handed_out_as_a_copy(engine):
+    # Exporting the shared memory would pin the buffer and its readers for good; .grad
+    # gets a plain copy instead, equal to eager's, and the buffer stays dtr's to evict.
+    def step():
+        _GradFromAStash.stash.clear()
+        w = torch.linspace(-1, 1, 4 * N).reshape(4, N).requires_grad_()
+        w.mul(1)  # an op that reads w under grad mode: dtr hands out its .grad
+        (_GradFromAStash.apply(w).exp() * 0.5).sum().backward()
+        return w
+
+    want = step().grad
+    with dtr.enable(engine=engine, stress=True) as session:
+        w = step()
+        pinned = session.stats().pinned_bytes
+        grad = w.grad
+        assert type(grad) is torch.Tensor and not dtr.native.is_managed(grad)
+        assert torch.equal(grad, want)
+        grad.zero_()  # a copy: the buffer keeps the gradient it held
+        kept = dtr.materialize(_GradFromAStash.stash[0])
+        assert torch.equal(kept[: want.shape[0]], want)
+    assert pinned < 2 * 4 * N * 4  # not the buffer (twice the gradient), pinned in place

@@ -57,13 +57,6 @@ def _train(m, x):
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_profiler_in_a_session_reports_eagers_shapes_and_remat_ranges(engine, mode, capfd, tmp_path):
-    if engine == "native" and mode == "budget":
-        pytest.xfail(
-            "record_shapes holds each op's inputs for its range: a gradient handed out "
-            "inside a backward op then finds other members of its pool alive and pins their "
-            "readers (export_value's rule for aliased memory), and this budget becomes "
-            "infeasible under the profiler"
-        )
     m, x = _model_and_input()
     eager = _profiled(_train(m, x))
     want_grads = [p.grad.clone() for p in m.parameters()]
