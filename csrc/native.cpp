@@ -40,6 +40,7 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -2207,6 +2208,7 @@ void collective(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
 // The registrations live as long as the process (never deregistered at exit, when
 // the dispatcher may already be gone).
 torch::Library* g_fallback_lib = nullptr;
+torch::Library* g_autograd_lib = nullptr;
 torch::Library* g_routed_lib = nullptr;
 torch::Library* g_value_args_lib = nullptr;
 std::vector<torch::Library*> g_collective_libs;
@@ -2226,6 +2228,14 @@ void install(const std::vector<std::string>& routed_ops,
       torch::Library::IMPL, "_", std::optional<c10::DispatchKey>(kKey),
       __FILE__, __LINE__);
   g_fallback_lib->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  // Ops with no autograd kernel of their own (custom ops: torch.library's, FSDP's fsdp::)
+  // get at kAutogradKey the fallback they get at AutogradCPU: PyTorch registers it for
+  // the backends it knows and PrivateUse1 only, and without it such an op on a managed
+  // tensor, or on any tensor while the session's key is included, would have no kernel.
+  g_autograd_lib = new torch::Library(torch::Library::IMPL, "_",
+                                      std::optional<c10::DispatchKey>(kAutogradKey), __FILE__,
+                                      __LINE__);
+  g_autograd_lib->fallback(torch::autograd::basicAutogradNotImplementedFallback());
   for (c10::DispatchKey key : kOtherLayoutKeys) {
     g_other_libs.push_back(new torch::Library(
         torch::Library::IMPL, "_", std::optional<c10::DispatchKey>(key), __FILE__, __LINE__));

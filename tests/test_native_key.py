@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dtr import engines, native, native_key
+from tests.utils import assert_bitwise_with_remats
 
 pytest.importorskip("dtr._C", reason="the native engine is C++")
 
@@ -133,3 +134,24 @@ def test_the_engines_own_registrations_leave_the_key_free():
         pass
     assert native_key.taken() is None
     assert engines.choose(False, "dtr")[0] == "native"
+
+
+# A custom op with a CPU kernel and no autograd kernel, as FSDP's fsdp:: ops are.
+_custom = torch.library.Library("dtr_native_key_test", "DEF")
+_custom.define("scaled(Tensor x) -> Tensor")
+_custom.impl("scaled", lambda x: x * 3, "CPU")
+
+
+def test_a_custom_op_without_an_autograd_kernel(engine):
+    # PyTorch's autograd fallback serves such an op at AutogradCPU; at the native engine's
+    # autograd key the engine registers the same one. Its input needs no gradient here
+    # (as FSDP calls its ops): what the fallback does for one that needs a gradient is
+    # not dtr's to change.
+    def step():
+        x = torch.randn(6, 5, requires_grad=True)
+        y = x.exp()
+        z = torch.ops.dtr_native_key_test.scaled(y.detach()).tanh()
+        (z * y).sum().backward()
+        return [z, x.grad]
+
+    assert_bitwise_with_remats(step, engine, {"stress": True})
