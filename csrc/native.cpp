@@ -1,7 +1,7 @@
-// The native engine (experimental; docs/design.md, "The PrivateUse1 route"): managed tensors
-// are a C++ TensorImpl carrying the PrivateUse1 dispatch key (device still that of their
+// The native engine (experimental; docs/design.md, "The private-key route"): managed tensors
+// are a C++ TensorImpl carrying the engine's dispatch key (kKey: device still that of their
 // value), and every op reaches one boxed fallback, with no Python on the way: the session
-// includes PrivateUse1 in its thread's TLS key set, so ops on plain tensors come here too
+// includes kKey in its thread's TLS key set, so ops on plain tensors come here too
 // (the job of the Python route's dispatch mode). The bookkeeping is the same C++ Core.
 //
 // A managed tensor shares its value's StorageImpl. Evicting frees that storage's memory
@@ -40,6 +40,7 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -70,6 +71,21 @@ namespace py = pybind11;
 
 namespace dtr {
 namespace native {
+
+// The engine's backend: PrivateUse3, which no backend of stock PyTorch claims
+// (out-of-tree accelerators take PrivateUse1 and rename it), so the engine runs beside
+// such a backend. Every key the engine registers at or carries is derived from it here
+// (dtr/native_key.py names the same key for Python).
+constexpr c10::BackendComponent kBackend = c10::BackendComponent::PrivateUse3Bit;
+constexpr c10::DispatchKey per_backend(c10::DispatchKey functionality) {
+  return c10::toRuntimePerBackendFunctionalityKey(functionality, kBackend);
+}
+constexpr c10::DispatchKey kKey = per_backend(c10::DispatchKey::Dense);
+constexpr c10::DispatchKey kAutogradKey = per_backend(c10::DispatchKey::AutogradFunctionality);
+// a managed op's sparse, quantized or nested arguments or results (left plain)
+constexpr c10::DispatchKey kOtherLayoutKeys[] = {
+    per_backend(c10::DispatchKey::Sparse), per_backend(c10::DispatchKey::SparseCsr),
+    per_backend(c10::DispatchKey::Quantized), per_backend(c10::DispatchKey::NestedTensor)};
 
 struct Engine;
 
@@ -252,12 +268,12 @@ struct DropWarnings : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
 
-// Below the session: without its PrivateUse1 key (kernels see plain tensors only) and
+// Below the session: without its key (kernels see plain tensors only) and
 // below autograd (a managed tensor's own autograd key recorded the graph).
 struct Below {
   Below()
       : local_(c10::impl::tls_local_dispatch_key_set()),
-        guard_(local_.included_.remove_backend(c10::BackendComponent::PrivateUse1Bit),
+        guard_(local_.included_.remove_backend(kBackend),
                local_.excluded_ | c10::autograd_dispatch_keyset_with_ADInplaceOrView) {}
   c10::impl::LocalDispatchKeySet local_;
   c10::impl::ForceDispatchKeyGuard guard_;
@@ -1028,7 +1044,7 @@ namespace {
 // ---------------------------------------------------------------- the tensor
 struct NativeImpl final : public c10::TensorImpl {
   NativeImpl(std::shared_ptr<Engine> eng, int64_t tid, const at::Tensor& value)
-      : c10::TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1) | meaning_keys(value),
+      : c10::TensorImpl(c10::DispatchKeySet(kKey) | meaning_keys(value),
                         value.dtype(), value.device()),
         eng_(std::move(eng)),
         cell_(std::make_shared<Cell>(Cell{tid})) {
@@ -1105,7 +1121,7 @@ struct NativeImpl final : public c10::TensorImpl {
 };
 
 inline NativeImpl* as_native(const at::Tensor& t) {
-  if (!t.defined() || !t.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::PrivateUse1))
+  if (!t.defined() || !t.unsafeGetTensorImpl()->key_set().has(kKey))
     return nullptr;
   return dynamic_cast<NativeImpl*>(t.unsafeGetTensorImpl());
 }
@@ -1806,7 +1822,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
         continue;
       auto take = [&](int64_t j, const at::Tensor& t) {
         // sparse, quantized and nested results stay plain, as the subclass engine leaves
-        // them (a NativeImpl has the PrivateUse1 keys only: a quantized value would read
+        // them (a NativeImpl has the engine's keys only: a quantized value would read
         // as its integers)
         if (!t.defined() || t.layout() != c10::kStrided || t.is_quantized() || t.is_nested())
           return;
@@ -2100,7 +2116,7 @@ at::Tensor value_copy(const at::Tensor& t, bool whole_storage = false) {
   // the copy is a plain tensor: made below the session's key (recomputation is not)
   auto plain_copy = [&] {
     if (whole_storage) return copy_storage(plain_view(t));  // (below the session itself)
-    c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::PrivateUse1);
+    c10::impl::ExcludeDispatchKeyGuard below(kKey);
     return plain_view(t).clone();
   };
   std::shared_ptr<Engine> eng = impl->eng_;
@@ -2160,11 +2176,9 @@ void read_values_first(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
   op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
 }
 
-// torch.distributed's ops (namespaces c10d and _c10d_functional), at AutogradPrivateUse1:
-// c10d registers kernels of its own at PrivateUse1, which look for a process-group backend
-// of that device type, so with the session's key included every collective, on plain
-// tensors too, failed ("No backend type associated with device type privateuseone"). No
-// rank can rerun a collective alone, so none is recorded: as in the subclass engine
+// torch.distributed's ops (namespaces c10d and _c10d_functional), at kAutogradKey, ahead of
+// the fallback (with the session's key included, collectives on plain tensors come here
+// too). No rank can rerun a collective alone, so none is recorded: as in the subclass engine
 // (Runtime._run_collective), managed arguments are handed to it as exported values
 // (resident and pinned from then on; the program's tensors read what it writes), what
 // reads a written tensor is invalidated first (c10d's in-place collectives declare no
@@ -2213,17 +2227,16 @@ void collective(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::
 // The registrations live as long as the process (never deregistered at exit, when
 // the dispatcher may already be gone).
 torch::Library* g_fallback_lib = nullptr;
+torch::Library* g_autograd_lib = nullptr;
 torch::Library* g_routed_lib = nullptr;
 torch::Library* g_value_args_lib = nullptr;
 std::vector<torch::Library*> g_collective_libs;
 std::vector<torch::Library*> g_other_libs;
-constexpr c10::DispatchKey kOtherLayoutKeys[] = {
-    c10::DispatchKey::SparsePrivateUse1, c10::DispatchKey::SparseCsrPrivateUse1,
-    c10::DispatchKey::QuantizedPrivateUse1, c10::DispatchKey::NestedTensorPrivateUse1};
 
 }  // namespace
 
-// Registered on first use, not at import: a process may have a real PrivateUse1 backend.
+// Registered on first use, not at import: a process may have a backend of its own at kKey
+// (dtr/native_key.py checks that none has).
 void install(const std::vector<std::string>& routed_ops,
              const std::vector<std::tuple<std::string, std::string, std::string>>& view_forms,
              const std::vector<std::pair<std::string, std::string>>& collective_ops) {
@@ -2231,24 +2244,32 @@ void install(const std::vector<std::string>& routed_ops,
   for (const auto& [inplace, name, overload] : view_forms)
     g_view_forms.insert_or_assign(inplace, c10::OperatorName(name, overload));
   g_fallback_lib = new torch::Library(
-      torch::Library::IMPL, "_", std::optional<c10::DispatchKey>(c10::DispatchKey::PrivateUse1),
+      torch::Library::IMPL, "_", std::optional<c10::DispatchKey>(kKey),
       __FILE__, __LINE__);
   g_fallback_lib->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  // Ops with no autograd kernel of their own (custom ops: torch.library's, FSDP's fsdp::)
+  // get at kAutogradKey the fallback they get at AutogradCPU: PyTorch registers it for
+  // the backends it knows and PrivateUse1 only, and without it such an op on a managed
+  // tensor, or on any tensor while the session's key is included, would have no kernel.
+  g_autograd_lib = new torch::Library(torch::Library::IMPL, "_",
+                                      std::optional<c10::DispatchKey>(kAutogradKey), __FILE__,
+                                      __LINE__);
+  g_autograd_lib->fallback(torch::autograd::basicAutogradNotImplementedFallback());
   for (c10::DispatchKey key : kOtherLayoutKeys) {
     g_other_libs.push_back(new torch::Library(
         torch::Library::IMPL, "_", std::optional<c10::DispatchKey>(key), __FILE__, __LINE__));
     g_other_libs.back()->fallback(
         torch::CppFunction::makeFromBoxedFunction<&other_layout_fallback>());
   }
-  // Ops whose composite kernel would take PrivateUse1 before any fallback: routed here.
+  // Ops whose composite kernel would take kKey before any fallback: routed here.
   g_routed_lib = new torch::Library(torch::Library::IMPL, "aten",
-                                    std::optional<c10::DispatchKey>(c10::DispatchKey::PrivateUse1),
+                                    std::optional<c10::DispatchKey>(kKey),
                                     __FILE__, __LINE__);
   for (const auto& name : routed_ops)
     g_routed_lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
   g_value_args_lib = new torch::Library(
       torch::Library::IMPL, "aten",
-      std::optional<c10::DispatchKey>(c10::DispatchKey::AutogradPrivateUse1), __FILE__, __LINE__);
+      std::optional<c10::DispatchKey>(kAutogradKey), __FILE__, __LINE__);
   for (const auto& [name, args] : value_args())
     g_value_args_lib->impl(name.substr(6).c_str(),  // without "aten::"
                            torch::CppFunction::makeFromBoxedFunction<&read_values_first>());
@@ -2259,7 +2280,7 @@ void install(const std::vector<std::string>& routed_ops,
     if (lib == nullptr) {
       lib =
           new torch::Library(torch::Library::IMPL, ns,
-                             std::optional<c10::DispatchKey>(c10::DispatchKey::AutogradPrivateUse1),
+                             std::optional<c10::DispatchKey>(kAutogradKey),
                              __FILE__, __LINE__);
       g_collective_libs.push_back(lib);
     }
@@ -2460,6 +2481,8 @@ void bind(py::module_& m) {
   m.def("native_install", &install, py::arg("routed_ops"), py::arg("view_forms"),
         py::arg("collective_ops"));
   m.def("is_native", [](const at::Tensor& t) { return as_native(t) != nullptr; });
+  // the name of the key managed tensors carry, which dtr/native_key.py checks it agrees with
+  m.def("native_dispatch_key", [] { return std::string(c10::toString(kKey)); });
   // A native tensor's value as a plain tensor of its own (recomputed if evicted, a READ
   // in the trace, nothing pinned): what tolist() reads in a session (dtr/native.py)
   m.def(

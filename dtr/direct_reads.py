@@ -15,7 +15,7 @@ The kernel is registered by the first default-engine session and stays for the l
 the process (a registration cannot be scoped to one thread's block): on plain tensors
 it runs the same composite, one Python call more, on these two rare overloads only. The
 native engine does the same in C++ (``read_values_first`` in csrc/native.cpp) at
-AutogradPrivateUse1, a key-specific registration that takes precedence over this one.
+AutogradPrivateUse3, a key-specific registration that takes precedence over this one.
 """
 
 from __future__ import annotations

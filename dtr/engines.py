@@ -4,7 +4,8 @@ dtr has two engines that make the same decisions with the same core (docs/design
 
 - "native": managed tensors are a C++ TensorImpl and every op goes to one C++ fallback
   (dtr/native.py, csrc/native.cpp); 0.9-1.8 us added per small op, whole steps within
-  1.05x of eager. CPU only, and it needs dtr's C++ extension and the PrivateUse1 key.
+  1.05x of eager. CPU only, and it needs dtr's C++ extension and its dispatch key
+  (PrivateUse3, dtr/native_key.py) free.
 - "subclass": managed tensors are a Python wrapper subclass seen by a dispatch mode, with
   a C++ fast path per op (dtr/runtime.py, csrc/fastpath.cpp); 9-13 us per small op. Any
   device (CUDA with OOM retry and the allocator's measure), and it runs on the
@@ -38,14 +39,21 @@ def choose(force_python: bool, measure: str) -> tuple[str, str]:
 
     if _load_extension() is None:
         return "subclass", "dtr's C++ extension (dtr._C) is not built"
-    name = torch._C._get_privateuse1_backend_name()
-    if name != "privateuseone":
-        return "subclass", f"backend {name!r} owns the PrivateUse1 dispatch key here"
+    from . import native_key
+
+    taken = native_key.taken()
+    if taken is not None:
+        return "subclass", f"the native engine's dispatch key is taken: {taken}"
     return "native", "CPU only, C++ extension built"
 
 
 def _accelerator_available() -> bool:
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None:
-        return bool(accelerator.is_available())
+        try:
+            return bool(accelerator.is_available())
+        except RuntimeError:
+            # a backend torch cannot ask (PrivateUse1 renamed, with no device module
+            # registered yet): its tensors may still come, so it counts as available
+            return True
     return torch.cuda.is_available()

@@ -1,5 +1,5 @@
 """The native engine: managed tensors as a C++ TensorImpl, every op through one C++
-fallback with no Python per op (csrc/native.cpp; docs/design.md, "The PrivateUse1 route").
+fallback with no Python per op (csrc/native.cpp; docs/design.md, "The private-key route").
 dtr.enable() runs it on a CPU-only machine (engine="auto", dtr/engines.py).
 
     with dtr.enable(budget="1GiB", engine="native") as session:   # or dtr.native.enable
@@ -38,9 +38,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import config as _config
-from . import data_setter, dlpack, errors, native_reads, plain_exports
+from . import data_setter, dlpack, errors, native_key, native_reads, plain_exports
 from . import schema as _schema
-from .errors import ConfigError, DTRError
+from .errors import ConfigError, DTRError, UnsupportedError
 from .grads import hand_out
 from .leaf_hooks import LeafHooks
 from .stats import Stats
@@ -55,26 +55,28 @@ OPTIONS = tuple(o for o in _config.OPTIONS if o != "engine")
 
 
 def _install() -> None:
-    """Register the fallback for PrivateUse1, and for every op whose composite kernel would
-    take that key first."""
+    """Register the fallback at the engine's key (dtr/native_key.py), and a kernel there for
+    every op whose composite kernel would take that key first."""
     global _installed
     if _installed:
         return
-    name = torch._C._get_privateuse1_backend_name()
-    if name != "privateuseone":
-        raise DTRError(
-            f"dtr: the native engine needs the PrivateUse1 dispatch key, which backend "
-            f"{name!r} uses in this process; use dtr.enable() instead"
-        )
     from . import _C
 
+    native_key.check_extension(_C.native_dispatch_key())
+    why = native_key.taken()
+    if why is not None:
+        raise UnsupportedError(
+            f"dtr: the native engine needs the {native_key.NAME} dispatch key, but {why} in "
+            "this process; use dtr.enable(engine='subclass') instead"
+        )
     _C.native_install(_routed_ops(), _view_forms(), _collective_ops())
+    native_key.claim()
     _installed = True
 
 
 def _routed_ops() -> list[str]:
     """Ops that must reach the fallback as they are: those with a CompositeExplicitAutograd
-    kernel (it takes PrivateUse1 before any fallback), and those with both a CPU kernel and
+    kernel (it takes the engine's key before any fallback), and those with both a CPU kernel and
     a CompositeImplicitAutograd one, which a backend without a kernel of its own gets: the
     decomposition (silu_backward, mish_backward as elementwise ops) differs from the CPU
     kernel in the last bits."""
@@ -207,7 +209,7 @@ class NativeSession:
         data_setter.install(_data_hooks())  # `t.data = new`
         dlpack.install()  # torch.to_dlpack of a managed tensor, for the process's life
         # made before it is entered: exiting a guard never entered changes nothing
-        self._guard = torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.PrivateUse1)
+        self._guard = torch._C._IncludeDispatchKeyGuard(native_key.KEY)
         self._guard.__enter__()
 
     def __exit__(self, *exc) -> None:

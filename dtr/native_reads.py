@@ -20,9 +20,9 @@ torch.multiprocessing's reductions reach the storage through ``untyped_storage()
 managed tensor sent to another process shares its pinned value, as in eager. Calling every
 ``torch.Tensor`` method on a managed tensor against eager (tests/test_tensor_methods.py)
 shows why each is here: the legacy
-constructors ``new()``/``new_tensor()`` take their backend from the dispatch keys
-(PrivateUse1: a crash, or a missing ``torch.privateuseone`` module), so a plain tensor
-of the same dtype and device answers them; ``is_shared()`` of an evicted value aborted
+constructors ``new()``/``new_tensor()`` take their device from the dispatch keys, and
+the engine's key (PrivateUse3) names none ("doesn't correspond to a device"), so a plain
+tensor of the same dtype and device answers them; ``is_shared()`` of an evicted value aborted
 (it is ``False``: a shared value is pinned); ``apply_``/``map_``/``map2_`` loop over
 the memory (a write the engine did not see, lost at the next recomputation), so they
 run on a copy that ``copy_`` writes back, recorded; ``__reduce_ex__`` (``torch.save``,
@@ -104,10 +104,10 @@ def _replacements(_C) -> dict:
         return run
 
     def legacy_constructor(method: str):
-        # t.new(...) and t.new_tensor(...) pick their backend from the tensor's dispatch
-        # keys, where a managed tensor has PrivateUse1: t.new() crashed the process, the
-        # others looked for a torch.privateuseone module. A plain tensor of the same
-        # dtype and device answers instead (the result is a new plain tensor either way).
+        # t.new(...) and t.new_tensor(...) pick their device from the tensor's dispatch
+        # keys, where a managed tensor has the engine's key, which names no device. A
+        # plain tensor of the same dtype and device answers instead (the result is a new
+        # plain tensor either way).
         original = getattr(torch.Tensor, method)
 
         def run(self, *args, **kwargs):

@@ -9,7 +9,7 @@ import types
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import data_setter, direct_reads, dlpack, errors, plain_exports
+from . import data_setter, direct_reads, dlpack, errors, native_key, plain_exports
 from .config import DTRConfig, resolve
 from .errors import ConfigError, DTRError
 from .runtime import Runtime
@@ -376,9 +376,8 @@ def materialize(t: torch.Tensor) -> torch.Tensor:
 
     if isinstance(t, CheckpointTensor):
         return materialize_ref(t._dtr_ref, export=True)
-    if isinstance(t, torch.Tensor) and torch._C._dispatch_keys(t).has(
-        torch._C.DispatchKey.PrivateUse1
-    ):  # the native engine's (dtr.native), if it is one
+    # the native engine's (dtr.native), if it is one
+    if isinstance(t, torch.Tensor) and torch._C._dispatch_keys(t).has(native_key.KEY):
         from . import _C
 
         return _C.native_materialize(t)

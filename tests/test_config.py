@@ -300,19 +300,19 @@ def test_auto_engine_is_native_on_a_cpu_only_machine():
     assert resolve(engine="auto").engine == "native"
 
 
-@pytest.mark.parametrize("why", ["accelerator", "python core", "extension", "privateuse1"])
+@pytest.mark.parametrize("why", ["accelerator", "python core", "extension", "key taken"])
 def test_auto_engine_falls_back_to_the_subclass_engine(monkeypatch, why):
     # Each thing that rules the native engine out: auto then runs the subclass engine,
     # and an explicit engine="native" is still honoured where it can run.
-    from dtr import _core, engines
+    from dtr import _core, engines, native_key
 
     monkeypatch.setattr(engines, "_accelerator_available", lambda: why == "accelerator")
     if why == "python core":
         monkeypatch.setenv("DTR_FORCE_PYTHON", "1")
     elif why == "extension":
         monkeypatch.setattr(_core, "_load_extension", lambda: None)
-    elif why == "privateuse1":
-        monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "npu")
+    elif why == "key taken":
+        monkeypatch.setattr(native_key, "taken", lambda: "kernels are registered at PrivateUse3")
     engine, reason = engines.choose(dtr.config.force_python(), "dtr")
     assert engine == "subclass" and reason
     session = dtr.enable()

@@ -4,8 +4,7 @@ DTR runs per rank: each process has its own session, budget and decisions, and t
 collectives see plain tensors (gradients are handed to ``.grad`` plain before DDP's
 reducer reads them). See docs/distributed.md, "Composing with DDP and FSDP". The DDP and FSDP2
 runs are made under both engines (``dtr.enable()`` and ``engine="native"``, whose
-collectives go through a kernel of its own: c10d's kernels for the PrivateUse1 key look
-for a process group backend of that device type, and every collective failed).
+collectives go through a kernel of its own, which records none).
 
 - **DDP** wrapping a model inside ``dtr.enable``: batch norm (DDP broadcasts rank 0's
   buffers before every forward) and dropout (a different stream per rank); SGD, and

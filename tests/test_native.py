@@ -205,9 +205,9 @@ def test_numpy_of_a_managed_tensor_pins_its_memory():
 @pytest.mark.filterwarnings("ignore:To copy construct from a tensor")  # as in eager
 @pytest.mark.parametrize("stress", [False, True])
 def test_legacy_new_and_shared_memory_of_a_managed_tensor(stress):
-    # t.new() crashed the process (the legacy constructors take their backend from the
-    # tensor's dispatch keys, PrivateUse1 here), t.new(3) and t.new_tensor(data) looked
-    # for a module torch.privateuseone; is_shared() of an evicted value aborted it.
+    # The legacy constructors take their device from the tensor's dispatch keys, and the
+    # engine's key names none: they must still make plain CPU tensors. is_shared() of an
+    # evicted value is False (a shared value is pinned).
     x = torch.randn(4, 5, requires_grad=True)
     with native.enable(stress=stress):
         t = (x * 2).detach()

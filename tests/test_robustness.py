@@ -16,7 +16,7 @@ import torch
 from torch.utils import _python_dispatch
 
 import dtr
-from dtr import native, session
+from dtr import native, native_key, session
 
 
 def _chain(x: torch.Tensor) -> list[torch.Tensor]:
@@ -99,7 +99,7 @@ def _process_state() -> tuple:
         dict(vars(torch.Tensor)),
         torch.utils.swap_tensors,
         torch._C._len_torch_dispatch_stack(),
-        torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PrivateUse1),
+        torch._C._dispatch_tls_is_dispatch_key_included(native_key.KEY),
         _python_dispatch._is_in_torch_dispatch_mode,
         _python_dispatch._is_in_non_infra_torch_dispatch_mode,
         torch._dynamo.eval_frame._stance.stance,
