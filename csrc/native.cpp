@@ -1390,7 +1390,25 @@ struct OpFacts {
   bool detach = false;     // detach(): names its argument's value (Runtime's _detach)
   std::optional<c10::OperatorHandle> view_form;  // an in-place view op's out-of-place form
   std::vector<size_t> plain_returns;             // returns left plain (dtr/schema.py)
+  bool no_autograd = false;  // a library's op with no autograd kernel (lacks_autograd)
 };
+
+// dtr/schema.py's lacks_autograd: an op of a library other than PyTorch's with no kernel
+// at any of these keys runs through autograd's fallback in eager, whose gradient comes
+// from the ops its kernel calls; the engine runs it as one and refuses it when an input
+// requires grad.
+bool lacks_autograd(const c10::OperatorHandle& op) {
+  static const std::unordered_set<std::string> kOwn = {
+      "aten", "prims", "c10d", "_c10d_functional", "_c10d_functional_autograd",
+      "fsdp", "quantized", "dtr"};
+  const std::string& name = op.schema().name();
+  if (kOwn.count(name.substr(0, name.find("::"))) > 0) return false;
+  for (c10::DispatchKey k : {c10::DispatchKey::Autograd, c10::DispatchKey::AutogradCPU,
+                             c10::DispatchKey::AutogradCUDA,
+                             c10::DispatchKey::CompositeImplicitAutograd})
+    if (op.hasKernelForDispatchKey(k)) return false;
+  return true;
+}
 
 OpFacts make_facts(const c10::OperatorHandle& op) {
   static const std::unordered_set<std::string> kMetaOnly = {
@@ -1437,6 +1455,7 @@ OpFacts make_facts(const c10::OperatorHandle& op) {
   // data_ptr() in C++ before any dispatch, where an evicted value cannot be rebuilt
   // (dtr/schema.py's _PLAIN_RETURNS; it depends only on the plain lengths)
   if (name == "aten::_pack_padded_sequence") f.plain_returns = {1};
+  f.no_autograd = lacks_autograd(op);
   auto form = g_view_forms.find(py_name(schema));
   if (form != g_view_forms.end())
     f.view_form = c10::Dispatcher::singleton().findSchemaOrThrow(
@@ -1554,6 +1573,15 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       }
   wants = wants && at::GradMode::is_enabled();
   const OpFacts& facts = facts_of(op);
+  if (facts.no_autograd && eng && eng->open && at::GradMode::is_enabled()) {
+    for (const Leaf& l : leaves)
+      if (l.tensor.defined() && l.tensor.requires_grad()) {
+        py::gil_scoped_acquire gil;
+        throw Unsupported(py::module_::import("dtr.errors")
+                              .attr("no_autograd_message")(py_name(op.schema()))
+                              .cast<std::string>());
+      }
+  }
   // x.detach() of a managed tensor names x's value, as the subclass engine's detach
   // aliases x's Ref: a fresh tensor sharing x's Cell (autograd takes it as the
   // non-differentiable alias, as it takes CPU's fresh one). Nothing is read, so an evicted

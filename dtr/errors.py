@@ -103,6 +103,17 @@ def budget_advice(budget: int, constants: int, what: str, requested: int) -> str
     return f"{facts} Raise the budget or reduce the batch size."
 
 
+def no_autograd_message(name: str) -> str:
+    """Both engines' refusal of an op with no autograd kernel (dtr/schema.py's
+    lacks_autograd) whose input requires grad."""
+    return (
+        f"dtr: {name} has no autograd kernel and an input requires grad: eager PyTorch "
+        "warns and records the ops its kernel calls, which dtr cannot see (it runs the op "
+        "as one), so the gradient would be lost. Register its backward "
+        "(torch.library.register_autograd), or define it with torch.library.custom_op"
+    )
+
+
 class UnsupportedError(DTRError, NotImplementedError):
     """An operation dtr does not support on managed tensors (the message says which)."""
 

@@ -34,7 +34,14 @@ from ._core import make_core
 from ._pycore import NEW, VERSION, VIEW
 from .call import Call, rebuild_returns, returns_of, substitute
 from .config import DTRConfig
-from .errors import BudgetError, DTRError, InternalError, UnsupportedError, budget_advice
+from .errors import (
+    BudgetError,
+    DTRError,
+    InternalError,
+    UnsupportedError,
+    budget_advice,
+    no_autograd_message,
+)
 from .grads import hand_out
 from .fresh import FACTORIES, TRANSPOSES, FreshFactories, FreshTransposes
 from .leaf_hooks import LeafHooks
@@ -198,6 +205,7 @@ class Runtime(Driver):
             or facts.view_inplace is not None
             or facts.metadata_inplace
             or facts.collective
+            or facts.no_autograd
             or bool(facts.plain_returns)
             or func in _SPECIAL
         )
@@ -211,6 +219,7 @@ class Runtime(Driver):
         if (
             facts.collective
             or facts.hidden_writes is not None
+            or facts.no_autograd  # handle() refuses it where an input requires grad
             or func in _SPECIAL
             or func in FACTORIES  # handle() remembers what they make
         ):
@@ -234,6 +243,9 @@ class Runtime(Driver):
                 self.view_replay.check_graph()
             facts = op_facts(func)
             call = Call(facts, args, kwargs)
+            if facts.no_autograd and torch.is_grad_enabled():
+                if any(t.requires_grad for t in call.leaves):
+                    raise UnsupportedError(no_autograd_message(facts.name))
             managed = meta = False
             other = None  # a non-strided leaf: sparse, nested, mkldnn
             for t in call.leaves:

@@ -35,6 +35,7 @@ class OpFacts:
     plain_returns: frozenset[int]  # returns left plain tensors (see _PLAIN_RETURNS)
     collective: bool  # a torch.distributed collective: never recorded (see COLLECTIVE_NAMESPACES)
     out_form: bool  # writes an out= argument, which it may resize (torch.cat(xs, out=c))
+    no_autograd: bool  # an op of a library with no autograd kernel (see lacks_autograd)
 
 
 def _bn_writes(vals: list) -> tuple[int, ...]:
@@ -196,4 +197,29 @@ def _compute(func) -> OpFacts:
         plain_returns=_PLAIN_RETURNS.get(schema.name, frozenset()),
         collective=namespace in COLLECTIVE_NAMESPACES,
         out_form=any(schema.arguments[i].kwarg_only for i in writes),
+        no_autograd=lacks_autograd(schema.name),
     )
+
+
+# Where a kernel makes an op differentiable: a formula for every backend, the CPU's or
+# CUDA's, or a decomposition autograd sees through (csrc/native.cpp's kAutogradKeys).
+_AUTOGRAD_KEYS = ("Autograd", "AutogradCPU", "AutogradCUDA", "CompositeImplicitAutograd")
+
+
+def lacks_autograd(name: str) -> bool:
+    """Whether an op of a library other than PyTorch's (torch.library, TORCH_LIBRARY) has
+    no autograd kernel. Eager runs such an op through autograd's fallback, which warns
+    and lets the ops its kernel calls record their own gradients; dtr runs the op as one,
+    below autograd, and those gradients would be lost: the engines refuse it when an
+    input requires grad (errors.no_autograd_message)."""
+    if name.split("::")[0] in _TAGGED_NAMESPACES | COLLECTIVE_NAMESPACES | _OWN_NAMESPACES:
+        return False
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    try:
+        return not any(has(name, key) for key in _AUTOGRAD_KEYS)
+    except RuntimeError:  # not the dispatcher's (TorchScript's prim::layout and kin)
+        return False
+
+
+# PyTorch's own namespaces besides aten/prims/collectives, whose ops autograd handles
+_OWN_NAMESPACES = {"_c10d_functional_autograd", "fsdp", "quantized", "dtr"}
