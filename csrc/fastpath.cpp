@@ -26,7 +26,7 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
-#include <torch/csrc/autograd/functions/tensor.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
@@ -85,11 +85,10 @@ py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwa
   int open = PyObject_IsTrue(get(rt_, s_is_open_).ptr());
   if (open < 0) throw py::error_already_set();
   if (!open || get(rt_, s_core_).ptr() != core_obj_.ptr()) return fallback(func, args, kwargs);
-  if (watch_graph_ && at::GradMode::is_enabled()) {
-    auto node = torch::autograd::get_current_node();
-    if (node && dynamic_cast<torch::autograd::CopySlices*>(node.get()) != nullptr)
-      return fallback(func, args, kwargs);
-  }
+  // (Runtime.view_replay noted a graph hazard: the ops of a create_graph backward go to
+  // handle(), which refuses them)
+  if (watch_graph_ && at::GradMode::is_enabled() && torch::autograd::get_current_node())
+    return fallback(func, args, kwargs);
   flush();
   if (op.detach) {
     // _detach: a detached managed tensor shares its Ref, even while evicted.
@@ -804,7 +803,7 @@ void bind_fastpath(py::module_& m) {
       .def("set_mode_hooks", &fast::FastPath::set_mode_hooks, py::arg("frame_callback"),
            py::arg("without_dynamo"))
       .def("watch_graph", &fast::FastPath::watch_graph,
-           "Send the ops of a CopySlices in a create_graph backward to handle() from now on.")
+           "Send the ops of a create_graph backward to handle() from now on.")
       .def("rematerialize", &fast::FastPath::rematerialize_if_own, py::arg("tid"),
            "Runtime.rematerialize in C++; False (nothing done) when the runtime's core is "
            "not the one this fast path was made with.");

@@ -143,8 +143,8 @@ class FastPath {
     frame_callback_ = std::move(frame_callback);
     without_dynamo_ = std::move(without_dynamo);
   }
-  // Runtime.view_replay noted a graph hazard (dtr/view_replay.py): ops a CopySlices runs
-  // in a create_graph backward go to handle(), which refuses them.
+  // Runtime.view_replay noted a graph hazard (dtr/view_replay.py): the ops of a
+  // create_graph backward go to handle(), which refuses them.
   void watch_graph() { watch_graph_ = true; }
   bool rematerialize_if_own(int64_t tid) {
     if (get(rt_, s_core_).ptr() != core_obj_.ptr()) return false;  // (tests wrap the core)

@@ -11,13 +11,14 @@ write to a view (``CopySlices``): eager's takes ``as_strided``, the subclass eng
 the view's ops, and second-order gradients differ.
 
 Where the view's ops give the base's layout anyway (a slice, a select: their backward
-fills a fresh base-shaped tensor), nothing differs. Elsewhere the subclass engine
-refuses, rather than differ silently:
+fills a fresh base-shaped tensor), first-order gradients do not differ. Elsewhere the
+subclass engine refuses, rather than differ silently:
 
 - an in-place write to a tensor (not a view) while a layout-changing view of it that
   requires grad is alive: at the write;
-- a ``create_graph=True`` backward through a ``CopySlices`` once a view write happened
-  in the session with such a view written through or alive: at its first op.
+- a ``create_graph=True`` backward once an in-place write in the session touched a
+  tensor with live views that require grad (any views: the second-order graph recorded
+  through a replayed slice can differ too): at its first op.
 
 The native engine's tensors are not subclasses, so autograd treats them as eager's.
 """
@@ -152,19 +153,28 @@ class ViewReplay:
         # the value autograd's views of the written tensor hang from: the written
         # tensor itself, or the base its view chain reaches
         root = self._root(node, pool) if is_view else node
-        changing = None
+        changing = None  # what made a live view whose replay changes the layout
+        viewed = None  # what made any live view of root (or the written view)
         for tid in members:
             member = rt.nodes[tid]
             if tid == root.tid or member is None or (tid != node.tid and rt.core.ext(tid) == 0):
                 continue
             kind = self._kind(member, root, pool)
-            if kind is not None and kind[0] and (changing is None or tid == node.tid):
+            if kind is None:
+                continue
+            if viewed is None or tid == node.tid:
+                viewed = kind[1]
+            if kind[0] and (changing is None or tid == node.tid):
                 changing = kind[1]  # (the written view's own op named first)
-        if changing is None:
+        if is_view and viewed is None:
+            viewed = node.name  # (its lineage is gone: a view all the same)
+        if viewed is None:
             return
-        if not (t.requires_grad or (torch.is_grad_enabled() and any(x.requires_grad for x in op.call.leaves))):
+        if not t.requires_grad and not (
+            torch.is_grad_enabled() and any(x.requires_grad for x in op.call.leaves)
+        ):
             return
-        if not is_view:
+        if changing is not None and not is_view:
             raise UnsupportedError(
                 f"dtr: {op.facts.name} writes in place to a tensor while a view of it "
                 f"made by {changing} is alive and requires grad: {NOTE} after the write "
@@ -172,21 +182,20 @@ class ViewReplay:
                 'rounding. Use engine="native", or take the view after the write (or '
                 ".clone() it before)"
             )
+        # First-order gradients through the other replays match eager's; a second-order
+        # graph recorded through any of them may not (a column narrow(1, i, 1) differs)
         if self.graph_hazard is None and rt._fast is not None:
             rt._fast.watch_graph()
-        self.graph_hazard = changing
+        self.graph_hazard = viewed
 
     # ------------------------------------------------------------------ backward
     def check_graph(self) -> None:
-        """At an op under grad mode once a hazard is noted: refuse if a CopySlices of a
-        create_graph backward runs it."""
-        if not torch.is_grad_enabled():
-            return
-        node = torch._C._current_autograd_node()
-        if node is not None and node.name().endswith("CopySlices"):
+        """At an op under grad mode once a hazard is noted: refuse it if a backward runs
+        it (create_graph=True records the backward's ops)."""
+        if torch.is_grad_enabled() and torch._C._current_autograd_node() is not None:
             raise UnsupportedError(
-                "dtr: backward(create_graph=True) runs through an in-place write to a view "
-                f"(made by {self.graph_hazard}): {NOTE} (eager: by as_strided), and "
-                "second-order gradients could differ from eager's by rounding. Use "
-                'engine="native", or write to a .clone() of the view'
+                "dtr: backward(create_graph=True) after an in-place write to a tensor with "
+                f"views (made by {self.graph_hazard}) that require grad: {NOTE} (eager: by "
+                "as_strided), and second-order gradients could differ from eager's by "
+                'rounding. Use engine="native", or write to a .clone()'
             )
