@@ -98,8 +98,8 @@ class ViewReplay:
         # tid -> (node serial, root tid, changes layout, made by): what a view was, kept
         # past the write whose invalidation drops its lineage, for the writes after it
         self.kinds: dict[int, tuple[int, int, bool, str]] = {}
-        # why a create_graph backward through CopySlices would differ, once a view write
-        # made it so
+        # what made the views of a write after which a create_graph backward may differ
+        # (for the session's life: the graphs recorded then may be used later)
         self.graph_hazard: str | None = None
 
     # ------------------------------------------------------------------ writes
