@@ -27,6 +27,7 @@
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
@@ -86,8 +87,10 @@ py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwa
   if (open < 0) throw py::error_already_set();
   if (!open || get(rt_, s_core_).ptr() != core_obj_.ptr()) return fallback(func, args, kwargs);
   // (Runtime.view_replay noted a graph hazard: the ops of a create_graph backward go to
-  // handle(), which refuses them)
-  if (watch_graph_ && at::GradMode::is_enabled() && torch::autograd::get_current_node())
+  // handle(), which refuses them; a backward that keeps no graph is not one, such as the
+  // one torch.utils.checkpoint recomputes its forward in, under grad mode)
+  if (watch_graph_ && at::GradMode::is_enabled() && torch::autograd::get_current_node() &&
+      torch::autograd::get_current_graph_task_keep_graph())
     return fallback(func, args, kwargs);
   flush();
   if (op.detach) {
@@ -788,6 +791,9 @@ void FastPath::settle(const std::vector<int64_t>& fresh, const OpInfo& op) {
 }  // namespace fast
 
 void bind_fastpath(py::module_& m) {
+  m.def("graph_kept", &torch::autograd::get_current_graph_task_keep_graph,
+        "Whether the backward running on this thread keeps its graph (retain_graph, "
+        "create_graph's default); true outside a backward.");
   py::class_<fast::FastPath>(m, "FastPath",
                              "The live runtime's per-op fast path (csrc/fastpath.cpp); call it as "
                              "the runtime's handle(func, args, kwargs).")

@@ -190,12 +190,26 @@ class ViewReplay:
 
     # ------------------------------------------------------------------ backward
     def check_graph(self) -> None:
-        """At an op under grad mode once a hazard is noted: refuse it if a backward runs
-        it (create_graph=True records the backward's ops)."""
-        if torch.is_grad_enabled() and torch._C._current_autograd_node() is not None:
+        """At an op under grad mode once a hazard is noted: refuse it if a backward that
+        keeps its graph runs it (create_graph=True records the backward's ops). A backward
+        that keeps none is not one: torch.utils.checkpoint recomputes its forward in it,
+        under grad mode, and that graph's first-order gradients are eager's."""
+        if not torch.is_grad_enabled() or torch._C._current_autograd_node() is None:
+            return
+        if _graph_kept():
             raise UnsupportedError(
                 "dtr: backward(create_graph=True) after an in-place write to a tensor with "
                 f"views (made by {self.graph_hazard}) that require grad: {NOTE} (eager: by "
                 "as_strided), and second-order gradients could differ from eager's by "
                 'rounding. Use engine="native", or write to a .clone()'
             )
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps its graph (the fast path's own test); without
+    the C++ extension, assumed so."""
+    try:
+        from . import _C
+    except ImportError:
+        return True
+    return _C.graph_kept()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import dtr
 from dtr import view_replay
@@ -108,13 +109,30 @@ def _penalty_through_a_write_to_a_slice():
     return [penalty.detach(), v0.grad.detach()]
 
 
+def _checkpointed_after_a_write_to_a_slice():
+    # torch.utils.checkpoint recomputes its forward inside backward, under grad mode: not a
+    # create_graph backward (it keeps no graph), and served
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    h = x * 1.0
+    h[:, :4].relu_()
+    y = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(lin(t)), h, use_reentrant=False)
+    y.sum().backward()
+    return [x.grad, lin.weight.grad]
+
+
 DIFFERING = [
     _written_under_a_transposed_view,
     _penalty_through_a_write_to_a_transposed_view,
     _penalty_through_a_write_to_a_column,
 ]
 REFUSED = [*DIFFERING, _penalty_through_a_write_to_a_slice]
-SERVED = [_written_under_a_slice, _written_under_a_transposed_slice, _written_through_a_transposed_view]
+SERVED = [
+    _written_under_a_slice,
+    _written_under_a_transposed_slice,
+    _written_through_a_transposed_view,
+    _checkpointed_after_a_write_to_a_slice,
+]
 
 
 @pytest.mark.parametrize("fn", REFUSED, ids=lambda f: f.__name__.strip("_"))
