@@ -1393,21 +1393,12 @@ struct OpFacts {
   bool no_autograd = false;  // a library's op with no autograd kernel (lacks_autograd)
 };
 
-// dtr/schema.py's lacks_autograd: an op of a library other than PyTorch's with no kernel
-// at any of these keys runs through autograd's fallback in eager, whose gradient comes
-// from the ops its kernel calls; the engine runs it as one and refuses it when an input
-// requires grad.
+// dtr/schema.py's lacks_autograd, the one rule for both engines (an op of a library other
+// than PyTorch's with no autograd kernel; the engine refuses it when an input requires
+// grad). Asked once per op overload (facts_of caches it), before the engine's lock.
 bool lacks_autograd(const c10::OperatorHandle& op) {
-  static const std::unordered_set<std::string> kOwn = {
-      "aten", "prims", "c10d", "_c10d_functional", "_c10d_functional_autograd",
-      "fsdp", "quantized", "dtr"};
-  const std::string& name = op.schema().name();
-  if (kOwn.count(name.substr(0, name.find("::"))) > 0) return false;
-  for (c10::DispatchKey k : {c10::DispatchKey::Autograd, c10::DispatchKey::AutogradCPU,
-                             c10::DispatchKey::AutogradCUDA,
-                             c10::DispatchKey::CompositeImplicitAutograd})
-    if (op.hasKernelForDispatchKey(k)) return false;
-  return true;
+  py::gil_scoped_acquire gil;
+  return py::module_::import("dtr.schema").attr("lacks_autograd")(op.schema().name()).cast<bool>();
 }
 
 OpFacts make_facts(const c10::OperatorHandle& op) {

@@ -202,7 +202,7 @@ def _compute(func) -> OpFacts:
 
 
 # Where a kernel makes an op differentiable: a formula for every backend, the CPU's or
-# CUDA's, or a decomposition autograd sees through (csrc/native.cpp's kAutogradKeys).
+# CUDA's, or a decomposition autograd sees through.
 _AUTOGRAD_KEYS = ("Autograd", "AutogradCPU", "AutogradCUDA", "CompositeImplicitAutograd")
 
 
@@ -211,7 +211,8 @@ def lacks_autograd(name: str) -> bool:
     no autograd kernel. Eager runs such an op through autograd's fallback, which warns
     and lets the ops its kernel calls record their own gradients; dtr runs the op as one,
     below autograd, and those gradients would be lost: the engines refuse it when an
-    input requires grad (errors.no_autograd_message)."""
+    input requires grad (errors.no_autograd_message). The native engine asks this too
+    (csrc/native.cpp), once per op overload."""
     if name.split("::")[0] in _TAGGED_NAMESPACES | COLLECTIVE_NAMESPACES | _OWN_NAMESPACES:
         return False
     has = torch._C._dispatch_has_kernel_for_dispatch_key
