@@ -133,11 +133,18 @@ class ViewReplay:
     def remember(self, tids: list[int]) -> None:
         """Before an invalidation drops these members' lineage: what each view was."""
         rt = self.rt
+        pools: dict[int, set[int]] = {}
         for tid in tids:
             node = rt.nodes[tid]
             if node is None or rt.core.ext(tid) == 0:
                 continue
-            pool = set(rt.core.members(tid))
+            known = self.kinds.get(tid)
+            if known is not None and known[0] == node.serial:
+                continue  # (on_write classified it before this write's invalidation)
+            pid = rt.core.pool_of(tid)
+            if pid not in pools:
+                pools[pid] = set(rt.core.members(tid))
+            pool = pools[pid]
             root = self._root(node, pool)
             if root is not node:
                 self._kind(node, root, pool)
