@@ -31,6 +31,15 @@ def _base():
     return v0, v0.unsqueeze(1).expand(16, 16) * w
 
 
+def _penalty(loss, leaf):
+    """backward(create_graph=True), then the backward of sum(leaf.grad ** 2) alone."""
+    loss.backward(create_graph=True)
+    penalty = (leaf.grad**2).sum()
+    leaf.grad = None
+    penalty.backward()
+    return [penalty.detach(), leaf.grad.detach()]
+
+
 def _written_under_a_transposed_view():
     # Eager and the subclass engine's replayed view (a transposed gradient) differ in
     # the last bit of v0.grad here: this program is why the engine refuses.
@@ -48,12 +57,7 @@ def _penalty_through_a_write_to_a_transposed_view():
     base = v0 * 1.0
     v = base.transpose(0, 1)
     v.mul_(0.5)
-    loss = v0.sin().sum() + torch.logsumexp(v, dim=0).sum()
-    loss.backward(create_graph=True)
-    penalty = (v0.grad**2).sum()
-    v0.grad = None
-    penalty.backward()
-    return [penalty.detach(), v0.grad.detach()]
+    return _penalty(v0.sin().sum() + torch.logsumexp(v, dim=0).sum(), v0)
 
 
 def _written_under_a_slice():
@@ -88,12 +92,7 @@ def _penalty_through_a_write_to_a_column():
     base = v1.clone()
     v = base.narrow(1, 1, 1)
     v.add_(1)
-    loss = v1.sum() + (v * 4).sum() + (v @ v.t() * 5).sum()
-    loss.backward(create_graph=True)
-    penalty = (v1.grad**2).sum()
-    v1.grad = None
-    penalty.backward()
-    return [penalty.detach(), v1.grad.detach()]
+    return _penalty(v1.sum() + (v * 4).sum() + (v @ v.t() * 5).sum(), v1)
 
 
 def _penalty_through_a_write_to_a_slice():
@@ -101,12 +100,7 @@ def _penalty_through_a_write_to_a_slice():
     v0, base = _base()
     v = base[2:]
     v.mul_(0.5)
-    loss = torch.logsumexp(v * 1.0, 0).sum() + (base.sum(1) ** 2).sum()
-    loss.backward(create_graph=True)
-    penalty = (v0.grad**2).sum()
-    v0.grad = None
-    penalty.backward()
-    return [penalty.detach(), v0.grad.detach()]
+    return _penalty(torch.logsumexp(v * 1.0, 0).sum() + (base.sum(1) ** 2).sum(), v0)
 
 
 def _checkpointed_after_a_write_to_a_slice():
