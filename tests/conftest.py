@@ -96,24 +96,28 @@ def logged(monkeypatch):
     return cores
 
 
-# Markers by file, in one place (setup.cfg describes them); CI runs every marker.
-FILE_MARKS = {
-    "test_ddp.py": ("distributed",),
-    "test_cuda.py": ("accelerator",),
-    "test_bench_native.py": ("bench",),
-    "test_bench_overhead.py": ("bench",),
-    "test_bench_soak.py": ("bench",),
-    "test_bench_cost_models.py": ("bench",),
-    "test_max_batch.py": ("bench",),
-    "test_vs_static.py": ("bench",),
-    "test_zoo.py": ("bench", "slow"),
-    "test_fuzz.py": ("slow",),
-    "test_opinfo.py": ("slow",),
-    "test_notebooks.py": ("slow",),
+# Markers by folder (setup.cfg describes them); CI runs every marker. A slow file marks
+# itself (``pytestmark``), and a test run on a CUDA device is an accelerator test
+# wherever it lies (the device-generic tests parametrize ``device`` over
+# tests.utils.DEVICES).
+TESTS = os.path.dirname(os.path.abspath(__file__))
+FOLDER_MARKS = {
+    "distributed": ("distributed",),
+    "accelerator": ("accelerator",),
+    "bench": ("bench",),
 }
+
+
+def _marks(item) -> tuple[str, ...]:
+    folder = os.path.relpath(item.path, TESTS).split(os.sep)[0]
+    marks = FOLDER_MARKS.get(folder, ())
+    params = getattr(item, "callspec", None)
+    if params is not None and str(params.params.get("device", "")).startswith("cuda"):
+        marks += ("accelerator",)
+    return marks
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        for name in FILE_MARKS.get(item.path.name, ()):
+        for name in _marks(item):
             item.add_marker(getattr(pytest.mark, name))

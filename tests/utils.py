@@ -9,6 +9,10 @@ import warnings
 import pytest
 import torch
 
+# The repository's root: the folder tests run in subprocesses from, and where the files
+# some tests read (README.md, notebooks/, bench/results/) lie.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,8 +1,8 @@
 """Bad input and faults: malformed settings (arguments and environment alike), budgets
 that cannot be met, exceptions and interrupts inside the block, and threads.
 
-Complements tests/test_config.py (budget syntax through arguments), tests/test_memory.py
-(an infeasible budget on the CNN) and tests/test_runtime.py (a user error inside the
+Complements tests/unit/test_config.py (budget syntax through arguments), tests/engines/test_memory.py
+(an infeasible budget on the CNN) and tests/engines/subclass/test_runtime.py (a user error inside the
 block, nesting, reading wrappers from other threads).
 
 Threads: one session at a time in the process. A second ``dtr.enable()`` while one is
@@ -415,7 +415,7 @@ def test_budget_error_caught_inside_the_block_then_training_goes_on(core):
 
 
 def test_peak_after_the_block_stays_within_the_budget(core):
-    # Found by tests/test_fuzz.py: materializing what the program holds when the block
+    # Found by tests/integration/test_fuzz.py: materializing what the program holds when the block
     # ends (budget lifted) was counted in peak_resident_bytes, so a session that kept
     # the budget at every op boundary reported a peak above it.
     x = torch.randn(64, 64, requires_grad=True)

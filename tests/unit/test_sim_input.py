@@ -15,8 +15,8 @@ import pytest
 
 import dtr.sim as sim
 from dtr.errors import ConfigError
+from tests.utils import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED_GZ = os.path.join(REPO, "bench", "results", "traces", "mlp.jsonl.gz")
 ENGINES = ["c++", "python", "python+c++core"]
 START = {"INSTRUCTION": "ANNOTATE", "ANNOTATION": "START"}

@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.utils import REPO
+
 
 # A weight-shared transformer and a CNN with batch norm, each at a budget that forces
 # evictions and recomputations (a fraction of its peak with no budget).
@@ -78,8 +79,8 @@ def child() -> None:
 def _run_in_fresh_process() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTR_")}
     proc = subprocess.run(
-        [sys.executable, "-c", "from tests.test_determinism import child; child()"],
-        cwd=ROOT,
+        [sys.executable, "-c", "from tests.engines.test_determinism import child; child()"],
+        cwd=REPO,
         env=env,
         capture_output=True,
         text=True,

@@ -11,6 +11,7 @@ import torch
 import dtr
 import dtr.device
 from dtr.config import resolve
+from tests.utils import REPO
 
 
 @pytest.mark.parametrize(
@@ -193,7 +194,7 @@ def test_every_option_in_the_readme_is_taken_by_dtr_enable():
     # only dtr.native.enable took)
     import pathlib
 
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(REPO) / "README.md").read_text()
     table = readme.split("### Options and environment variables")[1].split("\n\n")[2]
     documented = {
         name

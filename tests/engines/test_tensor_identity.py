@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import dtr
+from tests.utils import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # stress: every evictable value is evicted after every op; budget: tight enough that
 # values are evicted and recomputed while the programs below run
@@ -227,8 +227,8 @@ def test_hand_written_sgd_through_data_trains_as_eager(engine, setting):
     # run apart: a storage-less tensor put into a parameter crashes the process
     done = subprocess.run(
         [sys.executable, "-c", SGD, engine, setting],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
         capture_output=True,
         text=True,
         timeout=600,

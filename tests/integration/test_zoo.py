@@ -11,6 +11,9 @@ pytest.importorskip("transformers")
 
 from bench import zoo  # noqa: E402
 
+# A bench script's smoke run (python -m bench.zoo at test size), and a slow one.
+pytestmark = [pytest.mark.bench, pytest.mark.slow]
+
 CASES = [("gpt2", 0.5), ("swin_small_config", 0.7), ("lstmcell_lm", 1.0)]
 
 

@@ -13,7 +13,7 @@ GroupNorm and LayerNorm, gradient accumulation over micro-batches,
 evaluates under ``model.eval()`` and ``torch.no_grad()`` inside the block (the conv net
 then trains one more step).
 
-The runs are those of ``tests/test_models.py``, under both engines (the subclass
+The runs are those of ``tests/engines/test_models.py``, under both engines (the subclass
 engine and the native one, ``dtr.enable(engine=...)``): eagerly, under dtr with no budget (which
 reports the peak P), at 50% and 30% of P (both must evict and recompute) and in stress
 mode (on a smaller version: its cost grows with the square of the depth). Losses,
@@ -26,7 +26,7 @@ apply ``sigmoid_``/``tanh_`` to chunks of their gate tensor, in-place writes to 
 several live views, which dtr handles by pinning the gates (Invariant 4); at 60% the
 pinned gates alone overflow the budget.
 
-``trajectory`` and ``check`` are shared with ``tests/test_hf.py``.
+``trajectory`` and ``check`` are shared with ``tests/integration/test_hf.py``.
 """
 
 from __future__ import annotations

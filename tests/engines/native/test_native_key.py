@@ -15,18 +15,16 @@ import pytest
 import torch
 
 from dtr import engines, native, native_key
-from tests.utils import assert_bitwise_with_remats
+from tests.utils import REPO, assert_bitwise_with_remats
 
 pytest.importorskip("dtr._C", reason="the native engine is C++")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(script: str) -> str:
     """`script` in a fresh Python process at the repository's root; its stdout."""
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
-        cwd=ROOT,
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,

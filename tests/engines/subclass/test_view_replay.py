@@ -14,7 +14,7 @@ import torch.utils.checkpoint
 import dtr
 from dtr import view_replay
 
-from .utils import assert_bitwise_with_remats
+from tests.utils import assert_bitwise_with_remats
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 

@@ -19,7 +19,7 @@ The same sweep runs under the native engine (``dtr.native.enable(stress=True,
 check=True)``; ``test_native_op``, ``test_native_inplace``), where managed tensors are a
 C++ TensorImpl rather than a wrapper subclass.
 
-Variants that cannot pass are listed in ``tests/opinfo_expected.txt`` with a category and
+Variants that cannot pass are listed in ``tests/integration/opinfo_expected.txt`` with a category and
 a one-line reason (for one engine if the entry says so); the file is checked both ways (a
 listed variant that passes fails).
 
@@ -27,7 +27,7 @@ By default each variant runs its first ``DTR_OPINFO_SAMPLES`` samples that hold 
 fewer once ``REMAT_BUDGET`` recomputations were made, and a listed variant more until it
 shows what its entry claims: about 1.5 minutes on one core. ``DTR_OPINFO_FULL=1`` runs
 every sample of every variant. ``-m "not opinfo"`` leaves the module out.
-``python -m tests.test_opinfo [--native] [op ...]`` runs the sweep outside pytest (under
+``python -m tests.integration.test_opinfo [--native] [op ...]`` runs the sweep outside pytest (under
 the native engine with ``--native``) and prints every failure and the pass rate per dtype.
 """
 
@@ -56,7 +56,7 @@ import dtr.native
 import dtr.runtime
 from dtr.recipe import Recipe
 
-pytestmark = pytest.mark.opinfo
+pytestmark = [pytest.mark.opinfo, pytest.mark.slow]
 
 DTYPES = (torch.float32, torch.float64)
 EXPECTED_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "opinfo_expected.txt")

@@ -7,10 +7,14 @@ import os
 
 import pytest
 
+from tests.utils import REPO
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+pytestmark = pytest.mark.slow
+
+FOLDER = os.path.join(REPO, "notebooks")
 NOTEBOOKS = sorted(f for f in os.listdir(FOLDER) if f.endswith(".ipynb"))
 
 

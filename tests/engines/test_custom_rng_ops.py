@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .utils import assert_bitwise_with_remats
+from tests.utils import assert_bitwise_with_remats
 
 
 @torch.library.custom_op("dtrtest_rng::noisy", mutates_args=())

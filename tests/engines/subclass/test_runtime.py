@@ -752,7 +752,7 @@ def test_conjugate_bit_is_carried(device, core):
 
 
 def test_sparse_tensors_pass_through_and_writing_one_from_a_managed_one_is_an_error(core):
-    # (tests/test_sparse.py: sparse tensors read by managed ops, both engines)
+    # (tests/engines/test_sparse.py: sparse tensors read by managed ops, both engines)
     s = torch.randn(3, 3).to_sparse()
     with dtr.enable():
         assert (s * 2).to_dense().sum().item() == pytest.approx((s.to_dense() * 2).sum().item())
@@ -855,7 +855,7 @@ def test_torch_export_inside_a_budgeted_block_counts_no_fake_tensors(core, engin
 
 @pytest.mark.parametrize("stress", [False, True])
 def test_record_stream_applies_to_the_value_and_is_not_a_write(core, stress):
-    # t.record_stream(s) is CUDA-only (tests/test_cuda.py runs it); its schema says it
+    # t.record_stream(s) is CUDA-only (tests/accelerator/test_cuda.py runs it); its schema says it
     # writes t. Its handler, given a stand-in for the op: the resident value's memory is
     # recorded, an evicted value is left alone (not recomputed for it), and no new
     # version is made either way.
@@ -881,7 +881,7 @@ def test_record_stream_applies_to_the_value_and_is_not_a_write(core, stress):
 
 def test_cudnn_rnn_hidden_writes():
     # What _cudnn_rnn and its backward write without a (a!) in their schemas (CUDA-only
-    # kernels; tests/test_cuda.py replays them): the dropout RNG state in training with
+    # kernels; tests/accelerator/test_cuda.py replays them): the dropout RNG state in training with
     # dropout (forward and backward), and the forward's reserve space in the backward.
     from dtr.schema import op_facts
 

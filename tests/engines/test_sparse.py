@@ -355,7 +355,7 @@ def test_what_a_recipe_makes_again_is_held_by_nothing(setup, monkeypatch):
 def test_a_native_coo_run_and_its_trace_replayed_evict_alike(tmp_path):
     # The native engine's trace of the COO network under a budget: the managed zeros
     # (a CALL with no inputs) and the transposes' sources read as constants replay, on
-    # both of dtr.sim's cores, to the evictions of the live run (tests/test_native.py
+    # both of dtr.sim's cores, to the evictions of the live run (tests/engines/native/test_native.py
     # checks the same for the bench models).
     pytest.importorskip("dtr._C", reason="the native engine is C++")
     from dtr import native, sim

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 
-from .utils import assert_bitwise_with_remats
+from tests.utils import assert_bitwise_with_remats
 
 # Eager warns that backward(create_graph=True) makes a reference cycle through .grad:
 # what these programs do on purpose.

@@ -105,7 +105,7 @@ def test_under_a_budget_evicts_recomputes_and_stays_bitwise(kind, ratio):
 
 
 def test_budget_below_the_parameters_gives_dtr_enables_numbers():
-    """The message of tests/test_faults.py's first-op failure, word for word."""
+    """The message of tests/engines/test_faults.py's first-op failure, word for word."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh())
     with pytest.raises(dtr.BudgetError) as info:
@@ -1054,9 +1054,9 @@ def test_a_plain_tensor_changed_behind_the_engine_is_refused_on_recompute(change
     """A recipe reads a parameter; then, with no op the engine sees, the parameter is
     written on another thread, gets another storage where the engine cannot see it
     (PyTorch's own `.data` setter, as C++ code reaches it; `p.data = ...` in Python is
-    served, tests/test_tensor_identity.py) or has its storage freed (what FSDP2 does when it reshards). Recomputing would read
+    served, tests/engines/test_tensor_identity.py) or has its storage freed (what FSDP2 does when it reshards). Recomputing would read
     the new values (or freed memory) where the program read the old ones: refused with
-    the subclass engine's dtr.UnsupportedError (tests/test_faults.py, test_ddp.py)."""
+    the subclass engine's dtr.UnsupportedError (tests/engines/test_faults.py, test_ddp.py)."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(8, 8))
     x = torch.randn(4, 8)

@@ -7,8 +7,8 @@ TorchScript, torch.fx, EMA, distributions, forward-mode AD, MAML, pruning, QAT,
 optimizers stepped from hooks, ...). Each runs eagerly and inside
 `dtr.enable(stress=True)` (every evictable tensor evicted after every op, so every reuse
 is a recomputation), under both engines, and must return bitwise the same tensors. Sparse
-tensors and torch.export's FakeTensors are tested elsewhere (tests/test_sparse.py,
-tests/test_runtime.py); nested jagged tensors built from managed ones are the last
+tensors and torch.export's FakeTensors are tested elsewhere (tests/engines/test_sparse.py,
+tests/engines/subclass/test_runtime.py); nested jagged tensors built from managed ones are the last
 test here.
 """
 

@@ -22,6 +22,7 @@ from bench.harness import mismatches, train
 from bench.heldout import HELDOUT
 from bench.models import MODELS, batches, build
 from dtr.sim import program as P
+from tests.utils import REPO
 
 PROTOTYPE = sim.PROTOTYPE_DIR
 HAVE_PROTOTYPE = os.path.isdir(PROTOTYPE)
@@ -433,7 +434,7 @@ HELD34_SMALLEST = {
     "lstm": (0.20, 0.15),
     "unroll_gan": (0.25, 0.20),
 }
-BENCH_TRACES = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "traces")
+BENCH_TRACES = os.path.join(REPO, "bench", "results", "traces")
 
 
 def _rule_against_dtr(prog, heuristic):
