@@ -76,39 +76,6 @@ def to_device(batch: tuple, device) -> tuple:
     return tuple(t.to(device) for t in batch)
 
 
-def _same(x: torch.Tensor, y: torch.Tensor, exact: bool) -> bool:
-    if exact:
-        return torch.equal(x, y)
-    # within the dtype's default tolerance of assert_close (a few ulps)
-    try:
-        torch.testing.assert_close(y, x)
-    except AssertionError:
-        return False
-    return True
-
-
-def mismatches(a: Trajectory, b: Trajectory, exact: bool = True) -> list[str]:
-    """Where two trajectories differ bitwise (empty when identical). exact=False
-    compares within assert_close's default tolerance instead, for runs that used a
-    kernel without a deterministic implementation (some CUDA kernels)."""
-    out = []
-    if a.losses != b.losses and (
-        exact or not _same(torch.tensor(a.losses), torch.tensor(b.losses), False)
-    ):
-        out.append(f"losses {a.losses} != {b.losses}")
-    for step, (ga, gb) in enumerate(zip(a.grads, b.grads)):
-        for i, (x, y) in enumerate(zip(ga, gb)):
-            if (x is None) != (y is None) or (
-                x is not None and (type(y) is not torch.Tensor or not _same(x, y, exact))
-            ):
-                out.append(f"grad {i} at step {step}")
-    for kind, xs, ys in (("param", a.params, b.params), ("buffer", a.buffers, b.buffers)):
-        for i, (x, y) in enumerate(zip(xs, ys)):
-            if not _same(x, y, exact):
-                out.append(f"{kind} {i}")
-    return out
-
-
 def record_traces(models: list[str], folder: str) -> list[tuple[str, str]]:
     """One training step of each bench model (test size) under dtr with the deterministic
     cost model, traced to folder/<model>.jsonl.gz; returns (label, path) pairs."""

@@ -27,8 +27,7 @@ from torch import nn
 
 import dtr
 import dtr.device
-from bench.harness import mismatches, train
-from tests.utils import assert_matches, deterministic, eager_and_dtr
+from tests.utils import assert_matches, deterministic, eager_and_dtr, mismatches, train
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"

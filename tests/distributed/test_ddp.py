@@ -52,7 +52,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dtr
-from bench.harness import Trajectory, mismatches
+from tests.utils import Trajectory, mismatches
 
 WORLD = 2
 TIMEOUT = 300  # seconds for the whole spawn

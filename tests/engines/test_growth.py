@@ -7,7 +7,6 @@ compares the results with eager PyTorch bit for bit."""
 
 from __future__ import annotations
 
-import copy
 import gc
 import tracemalloc
 from collections import Counter

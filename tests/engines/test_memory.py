@@ -14,9 +14,8 @@ from torch.profiler import ProfilerActivity, profile
 import dtr
 import dtr.device
 import dtr.reserve
-from bench.common import profiled_bytes
-from bench.harness import train
 from bench.models import MODELS, batches, build
+from tests.utils import profiled_bytes, train, unbudgeted_peak
 
 
 def _profiled_forward(name: str, dtr_kwargs: dict):
@@ -217,7 +216,7 @@ def test_room_is_made_before_an_op_that_was_seen(name, core, monkeypatch):
     # such as a dropout mask's rand_like, reserve nothing). The LSTM's layer op returns a
     # large workspace: without the reservation its steps overshoot a 30% budget by more
     # than half of it (checked below).
-    peak = train(name, dtr_kwargs={"cost_model": "roofline"}).stats.peak_resident_bytes
+    peak = unbudgeted_peak(name)
     budget = int(peak * 0.3)
 
     def steps():

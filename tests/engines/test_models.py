@@ -26,9 +26,8 @@ import functools
 import pytest
 import torch
 
-from bench.harness import mismatches, train
 from tests.conftest import HAVE_CPP
-from tests.utils import DEVICES, deterministic
+from tests.utils import DEVICES, deterministic, mismatches, train
 
 HAVE_NATIVE = HAVE_CPP  # the native engine is part of the C++ extension
 

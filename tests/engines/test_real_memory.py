@@ -20,8 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import dtr
-from bench.common import profiled_bytes
 from bench.models import MODELS, batches, build
+from tests.utils import profiled_bytes
 
 # Allocations the profiler sees that are not the program's memory in dtr's sense: the
 # allocator's bookkeeping of scalar temporaries and the like, a few KiB a step.

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 import dtr
-from bench.common import profiled_bytes, quiet_stderr
 from dtr import config as _config
 from dtr.units import format_bytes
 
-from tests.utils import assert_bitwise
+from tests.utils import assert_bitwise, profiled_bytes, quiet_stderr
 
 N = 300  # chain length
 SIZE = 64 * 1024  # elements per activation (256 KiB)

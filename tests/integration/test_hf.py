@@ -9,8 +9,8 @@ output object stays alive across the optimizer step, gradients are clipped, and 
 runs with a linear warm-up schedule (SGD with momentum as the second optimizer). After
 training, ``model.eval()`` and an evaluation under ``torch.no_grad()`` inside the block.
 
-Runs and comparisons are those of ``tests/integration/test_nn_blocks.py`` (``check``), under both
-engines (the subclass engine and the native one): eagerly; under
+Runs and comparisons are those of ``tests/integration/test_nn_blocks.py`` (``check``, in
+tests/utils.py), under both engines (the subclass engine and the native one): eagerly; under
 dtr with no budget, which reports the peak P; at 50% and 30% of P, where dtr must both
 evict and recompute and stay within the budget; and in stress mode on a one-layer
 version. Losses, gradients after every step, evaluation logits, parameters and buffers
@@ -29,7 +29,7 @@ from transformers import logging as hf_logging
 from transformers.optimization import get_linear_schedule_with_warmup
 
 import dtr
-from tests.integration.test_nn_blocks import Case, check, one_thread, record_grads  # noqa: F401
+from tests.utils import Case, check, record_grads
 
 VOCAB = 64
 

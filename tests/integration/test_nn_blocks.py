@@ -26,15 +26,11 @@ apply ``sigmoid_``/``tanh_`` to chunks of their gate tensor, in-place writes to 
 several live views, which dtr handles by pinning the gates (Invariant 4); at 60% the
 pinned gates alone overflow the budget.
 
-``trajectory`` and ``check`` are shared with ``tests/integration/test_hf.py``.
+``Case``, ``Run`` and ``check`` are tests/utils.py's, shared with
+``tests/integration/test_hf.py``.
 """
 
 from __future__ import annotations
-
-import contextlib
-import dataclasses
-import functools
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -47,107 +43,7 @@ import dtr.native
 import dtr.recipe
 import dtr.reserve
 import dtr.runtime
-from bench.harness import Trajectory, mismatches
-from tests.utils import assert_bitwise
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny kernels on one intra-op thread: with the cores shared by other processes,
-    OpenMP workers spin-wait and made the stress runs 20-40x slower (113 s against
-    2.7 s for one case). Eager and dtr runs of a comparison share the setting."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@dataclasses.dataclass
-class Run(Trajectory):
-    # Tensors a loop produces besides gradients: evaluation outputs, gradient norms.
-    outputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """build(small) -> (model, data), from the seeds trajectory() sets; small is the
-    size stress mode runs (every reuse a recomputation: cost grows with depth squared).
-    train(model, data, run) runs the whole loop, optimizer included, recording into
-    run. ratios: the budgets, as fractions of the unbudgeted peak."""
-
-    name: str
-    build: Callable
-    train: Callable
-    ratios: tuple[float, ...] = (0.5, 0.3)
-    stress: bool = True
-
-    def modes(self) -> list:
-        return ["unbudgeted", *self.ratios] + (["stress"] if self.stress else [])
-
-
-def trajectory(
-    case: Case, dtr_kwargs: dict | None = None, small: bool = False, engine: str = "subclass"
-) -> Run:
-    """Build the model outside the block, run case.train eagerly (dtr_kwargs None) or
-    inside dtr.enable(engine=engine, **dtr_kwargs), and collect what the loop recorded."""
-    torch.manual_seed(0)
-    model, data = case.build(small)
-    model.train()
-    run = Run([], [], [], [], None)
-    torch.manual_seed(1)  # dropout's stream
-    ctx = contextlib.nullcontext()
-    if dtr_kwargs is not None:
-        ctx = dtr.enable(engine=engine, **dtr_kwargs)
-    with ctx as session:
-        case.train(model, data, run)
-    run.params = [p.detach().clone() for p in model.parameters()]
-    run.buffers = [b.clone() for b in model.buffers()]
-    run.stats = session.stats() if dtr_kwargs is not None else None
-    return run
-
-
-def record_grads(run: Run, model: nn.Module) -> None:
-    run.grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
-
-
-def differences(expected: Run, got: Run) -> list[str]:
-    out = mismatches(expected, got)
-    if len(expected.outputs) != len(got.outputs):
-        out.append(f"{len(got.outputs)} outputs, expected {len(expected.outputs)}")
-    for i, (x, y) in enumerate(zip(expected.outputs, got.outputs, strict=True)):
-        if type(y) is not torch.Tensor or x.dtype != y.dtype or not torch.equal(x, y):
-            out.append(f"output {i}")
-    return out
-
-
-@functools.cache
-def _eager(case: Case, small: bool = False) -> Run:
-    return trajectory(case, None, small)
-
-
-@functools.cache
-def _unbudgeted(case: Case, engine: str = "subclass") -> Run:
-    return trajectory(case, {"cost_model": "roofline"}, engine=engine)
-
-
-def check(case: Case, mode, engine: str = "subclass") -> dtr.Stats:
-    """Run case under the engine in one of case.modes() and compare it with eager, bit
-    for bit. Budgets must bind: the run evicts and recomputes, and stays within the
-    budget (a fraction of the engine's own unbudgeted peak)."""
-    small = mode == "stress"
-    if mode == "unbudgeted":
-        got = _unbudgeted(case, engine)
-        assert got.stats.evictions == 0 and got.stats.remats == 0
-    elif mode == "stress":
-        got = trajectory(case, {"stress": True}, small=True, engine=engine)
-        assert got.stats.remats > got.stats.ops / 2, "stress mode recomputed too little"
-    else:
-        budget = int(_unbudgeted(case, engine).stats.peak_resident_bytes * mode)
-        got = trajectory(case, {"budget": budget, "cost_model": "roofline"}, engine=engine)
-        assert got.stats.peak_resident_bytes <= budget
-        assert got.stats.evictions > 0 and got.stats.remats > 0, "the budget did not bind"
-    assert differences(_eager(case, small), got) == []
-    return got.stats
+from tests.utils import Case, Run, assert_bitwise, check, record_grads
 
 
 def _evaluate(run: Run, model: nn.Module, *inputs) -> None:

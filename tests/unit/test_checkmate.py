@@ -5,7 +5,6 @@ hand-made graph, infeasible budgets, and the checker rejecting broken schedules.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 
 import numpy as np
@@ -14,25 +13,9 @@ import pytest
 import dtr.sim as sim
 from dtr.sim import chain
 from dtr.sim import checkmate as cm
+from tests.utils import call, write_trace
 
 MB = 1 << 20
-
-
-def write_trace(path, records) -> str:
-    with open(path, "w") as f:
-        for r in records:
-            f.write(json.dumps({k: v if isinstance(v, list) else str(v) for k, v in r.items()}))
-            f.write("\n")
-    return str(path)
-
-
-def call(name, args, results, time, sizes, aliases=None) -> list[dict]:
-    out = [{"INSTRUCTION": "CALL", "NAME": name, "ARGS": args, "RESULT": results, "TIME": time}]
-    for k, r in enumerate(results):
-        out.append({"INSTRUCTION": "MEMORY", "NAME": r, "MEMORY": sizes[k]})
-        alias = -1 if aliases is None else aliases[k]
-        out.append({"INSTRUCTION": "ALIAS", "NAME": r, "ALIAS": alias})
-    return out
 
 
 def constant(name, nbytes) -> list[dict]:

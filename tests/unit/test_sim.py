@@ -5,7 +5,6 @@ its Python twin agreeing, and the paper's numbers reproduced on its own traces."
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gzip
 import json
 import os
@@ -18,11 +17,10 @@ import torch
 import dtr
 import dtr.runtime
 import dtr.sim as sim
-from bench.harness import mismatches, train
 from bench.heldout import HELDOUT
 from bench.models import MODELS, batches, build
 from dtr.sim import program as P
-from tests.utils import REPO
+from tests.utils import REPO, call, mismatches, train, unbudgeted_peak, write_trace
 
 PROTOTYPE = sim.PROTOTYPE_DIR
 HAVE_PROTOTYPE = os.path.isdir(PROTOTYPE)
@@ -30,24 +28,6 @@ needs_prototype = pytest.mark.skipif(
     not HAVE_PROTOTYPE, reason=f"prototype traces not found at {PROTOTYPE}"
 )
 ENGINES = ["c++", "python"]
-
-
-def write_trace(path, records):
-    with open(path, "w") as f:
-        for r in records:
-            f.write(json.dumps({k: v if isinstance(v, list) else str(v) for k, v in r.items()}))
-            f.write("\n")
-    return str(path)
-
-
-def call(name, args, results, time, sizes, aliases=None):
-    out = [{"INSTRUCTION": "CALL", "NAME": name, "ARGS": args, "RESULT": results, "TIME": time}]
-    for k, r in enumerate(results):
-        out.append({"INSTRUCTION": "MEMORY", "NAME": r, "MEMORY": sizes[k]})
-        out.append(
-            {"INSTRUCTION": "ALIAS", "NAME": r, "ALIAS": -1 if aliases is None else aliases[k]}
-        )
-    return out
 
 
 def chain_trace(tmp_path, n, nbytes=100):
@@ -198,14 +178,9 @@ def test_malformed_traces_name_file_and_line(tmp_path, records, match):
         sim.load(str(path))
 
 
-@functools.cache
-def _peak(name):
-    return train(name, dtr_kwargs={"cost_model": "roofline"}).stats.peak_resident_bytes
-
-
 @pytest.mark.parametrize("name", ["mlp", "cnn", "lstm", "transformer", "tree"])
 def test_live_run_and_its_replay_evict_alike(name, tmp_path, logged, core):
-    budget = int(_peak(name) * 0.4)
+    budget = int(unbudgeted_peak(name) * 0.4)
     path = str(tmp_path / f"{name}.jsonl.gz")
     live = train(name, dtr_kwargs={"budget": budget, "cost_model": "roofline", "trace": path})
     with gzip.open(path, "rt") as f:
@@ -228,7 +203,7 @@ def test_sampled_victim_search_live_and_replayed_alike(tmp_path, logged, core):
     # search_sample=4 forces sampling in a small model (the default 512 never samples
     # here): gradients stay bitwise, decisions differ from exact search, and the trace
     # carries the setting so that a replay samples the same candidates.
-    budget = int(_peak("transformer") * 0.4)
+    budget = int(unbudgeted_peak("transformer") * 0.4)
     kwargs = {"budget": budget, "cost_model": "roofline"}
     train("transformer", dtr_kwargs={**kwargs, "search_sample": 0})
     exact_log = logged[-1].eviction_log()
@@ -252,7 +227,7 @@ def test_sampled_victim_search_live_and_replayed_alike(tmp_path, logged, core):
 def test_recorded_settings_replay_as_live(setting, tmp_path, logged, core):
     # The random heuristic's seed and min_evict_bytes change decisions: the trace carries
     # them (and the heuristic), and a replay told nothing else uses them.
-    budget = int(_peak("transformer") * 0.5)
+    budget = int(unbudgeted_peak("transformer") * 0.5)
     kwargs = {"budget": budget, "cost_model": "roofline"}
     heuristic = setting.get("heuristic", dtr.DEFAULT_HEURISTIC)
     train("transformer", dtr_kwargs={**kwargs, "heuristic": heuristic})
@@ -273,7 +248,7 @@ def test_budget_changed_mid_run_replays_as_live(change, tmp_path, logged, core):
     # session.set_budget() in the middle of a run is in the trace: a replay at the run's
     # own budget follows it (it used to keep the first budget and decide otherwise); one
     # at another budget keeps that one throughout.
-    peak = _peak("mlp")
+    peak = unbudgeted_peak("mlp")
     first = int(peak * 0.9)
     path = str(tmp_path / "budget.jsonl")
     spec = MODELS["mlp"]
@@ -303,7 +278,7 @@ def test_budget_changed_mid_run_replays_as_live(change, tmp_path, logged, core):
 
 
 def test_deterministic_cost_model_repeats_decisions(logged):
-    budget = int(_peak("transformer") * 0.3)
+    budget = int(unbudgeted_peak("transformer") * 0.3)
     kwargs = {"budget": budget, "cost_model": "roofline"}
     train("transformer", steps=2, dtr_kwargs=kwargs)
     train("transformer", steps=2, dtr_kwargs=kwargs)

@@ -8,8 +8,8 @@ import torch
 
 import dtr
 import dtr.sim
-from bench.harness import train
 from dtr.sim.floor import op_floor
+from tests.utils import train
 
 
 def test_floor_of_a_chain_is_its_largest_backward_op_next_to_the_constant(tmp_path):

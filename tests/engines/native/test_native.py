@@ -370,8 +370,8 @@ def test_evicted_values_are_materialized_when_the_block_ends():
 
 
 def _bench_run(name: str, context):
-    from bench.harness import make_optimizer
     from bench.models import MODELS, batches, build
+    from tests.utils import make_optimizer
 
     torch.manual_seed(0)
     model = build(name)
@@ -480,8 +480,8 @@ def test_room_is_made_before_an_op_that_was_seen(name):
     not sit on top of the budget: the transient count stays within 5% of a 30% budget.
     The LSTM's layer op returns a large workspace; without the reservation its steps
     overshoot the budget by more than half of it."""
-    from bench.harness import make_optimizer
     from bench.models import MODELS, batches, build
+    from tests.utils import make_optimizer
 
     with native.enable() as free:
         _bench_run(name, contextlib.nullcontext())
@@ -833,7 +833,7 @@ def test_empty_like_of_an_evicted_tensor_does_not_rebuild_it():
 def _profiled(fn) -> tuple[int, int]:
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.common import profiled_bytes
+    from tests.utils import profiled_bytes
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()

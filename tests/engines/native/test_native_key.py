@@ -6,7 +6,6 @@ run in a process of their own."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap

@@ -10,7 +10,6 @@ and no trace).
 from __future__ import annotations
 
 import collections
-import functools
 import gc
 import weakref
 
@@ -20,11 +19,10 @@ from torch.profiler import ProfilerActivity, profile
 
 import dtr
 import dtr.runtime
-from bench.common import profiled_peak
-from bench.harness import make_optimizer, mismatches, train
 from bench.models import MODELS as SPECS
 from bench.models import batches, build
 from tests.conftest import HAVE_CPP
+from tests.utils import make_optimizer, mismatches, profiled_peak, train, unbudgeted_peak
 
 # The fast path is the subclass engine's; dtr.enable() here runs that engine.
 pytestmark = [
@@ -35,11 +33,6 @@ pytestmark = [
 MODELS = ["mlp", "cnn", "lstm", "transformer", "tree"]
 
 
-@functools.cache
-def _peak(name):
-    return train(name, dtr_kwargs={"cost_model": "roofline"}).stats.peak_resident_bytes
-
-
 @pytest.mark.parametrize("mode", ["budget", "stress"])
 @pytest.mark.parametrize("name", MODELS)
 def test_fast_and_python_paths_evict_alike(name, mode, logged, monkeypatch):
@@ -47,7 +40,7 @@ def test_fast_and_python_paths_evict_alike(name, mode, logged, monkeypatch):
     if mode == "stress":  # every reuse is a recomputation
         kwargs["stress"] = True
     else:
-        kwargs["budget"] = int(_peak(name) * 0.4)
+        kwargs["budget"] = int(unbudgeted_peak(name) * 0.4)
     fast = train(name, dtr_kwargs=kwargs)
     fast_log = logged[-1].eviction_log()
     monkeypatch.setattr(dtr.runtime, "FAST_PATH", False)
@@ -85,7 +78,7 @@ def test_fast_and_python_paths_hold_the_same_memory(name, monkeypatch):
     # arguments with the values it ran on (cat's and stack's inputs), which then lived
     # as long as the recipe, evicted or not (test-size tree at 40% of its peak: 92,700
     # against 51,100 bytes; bench scale: 28.2 against 17.7 MiB).
-    kwargs = {"budget": int(_peak(name) * 0.4), "cost_model": "roofline"}
+    kwargs = {"budget": int(unbudgeted_peak(name) * 0.4), "cost_model": "roofline"}
     fast = _profiled_peak(name, kwargs)
     monkeypatch.setattr(dtr.runtime, "FAST_PATH", False)
     assert fast == _profiled_peak(name, kwargs)
@@ -123,7 +116,7 @@ def _fallbacks(monkeypatch) -> collections.Counter:
 @pytest.mark.parametrize("name", ["transformer", "tree"])
 def test_fast_path_serves_the_common_ops(name, monkeypatch):
     counts = _fallbacks(monkeypatch)
-    run = train(name, dtr_kwargs={"budget": int(_peak(name) * 0.5), "cost_model": "roofline"})
+    run = train(name, dtr_kwargs={"budget": int(unbudgeted_peak(name) * 0.5), "cost_model": "roofline"})
     assert run.stats.evictions > 0
     # What handle() serves: dropout's random in-place steps, backward's seed, and ops
     # whose input was evicted (rematerialized there). Detach, of a managed tensor or a
@@ -182,9 +175,9 @@ def test_recomputations_replay_in_cpp(monkeypatch):
 
     monkeypatch.setattr(dtr.runtime.Runtime, "rerun", counted)
     for name, kwargs in (
-        ("tree", {"budget": int(_peak("tree") * 0.4)}),
+        ("tree", {"budget": int(unbudgeted_peak("tree") * 0.4)}),
         ("mlp", {"stress": True}),  # dropout: RNG state, in-place versions, stand-ins
-        ("transformer", {"budget": int(_peak("transformer") * 0.3)}),
+        ("transformer", {"budget": int(unbudgeted_peak("transformer") * 0.3)}),
     ):
         reruns.clear()
         run = train(name, dtr_kwargs={**kwargs, "cost_model": "roofline"})
