@@ -44,7 +44,7 @@ setup(
     description="Dynamic Tensor Rematerialization for PyTorch: train under a memory budget",
     packages=find_packages(include=["dtr", "dtr.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.13", "numpy", "sortedcontainers"],
+    install_requires=["torch>=2.13", "numpy"],
     extras_require={
         "test": [
             "pytest",
