@@ -33,18 +33,22 @@ def _train(session_kwargs, steps=3, end_steps=False):
     return session
 
 
-# 75% of the unbudgeted peak (the constants, 515 KiB, are a third of it): this forces
-# evictions and recomputations in forward and backward
-TIGHT = int(0.75 * _train(dict(), steps=1).stats().peak_resident_bytes)
+@pytest.fixture(scope="module")
+def tight() -> int:
+    """75% of the unbudgeted peak (the constants, 515 KiB, are a third of it): this
+    forces evictions and recomputations in forward and backward. Module-scoped, so it
+    is measured before a test's ``core`` fixture selects an engine, with dtr.enable()'s
+    default one."""
+    return int(0.75 * _train(dict(), steps=1).stats().peak_resident_bytes)
 
 
-def test_timeline_records_every_op_boundary(core, tmp_path):
-    session = _train(dict(budget=TIGHT, timeline=True))
+def test_timeline_records_every_op_boundary(core, tmp_path, tight):
+    session = _train(dict(budget=tight, timeline=True))
     stats, tl = session.stats(), session.timeline()
     assert stats.evictions > 0 and stats.remats > 0
-    assert len(tl) > 0 and tl.budget_bytes == TIGHT
+    assert len(tl) > 0 and tl.budget_bytes == tight
     assert all(len(getattr(tl, c)) == len(tl) for c in ("name", "backward", "remats"))
-    assert max(tl.resident_bytes) <= TIGHT  # settled op boundaries are within the budget
+    assert max(tl.resident_bytes) <= tight  # settled op boundaries are within the budget
     assert all(b >= r for b, r in zip(tl.before_bytes, tl.resident_bytes, strict=True))
     assert max(tl.before_bytes) <= stats.max_transient_bytes
     assert tl.evictions == sorted(tl.evictions) and tl.remats == sorted(tl.remats)
@@ -72,9 +76,9 @@ def test_timeline_needs_the_option():
             live.timeline()
 
 
-def test_log_steps_logs_one_line_per_optimizer_step(core, caplog):
+def test_log_steps_logs_one_line_per_optimizer_step(core, caplog, tight):
     caplog.set_level(logging.INFO, logger="dtr")
-    session = _train(dict(budget=TIGHT, log_steps=True))
+    session = _train(dict(budget=tight, log_steps=True))
     lines = [r.getMessage() for r in caplog.records if r.name == "dtr"]
     assert len(lines) == 3 and all(m.startswith(f"dtr step {i + 1}:") for i, m in enumerate(lines))
     steps, stats = session.steps(), session.stats()
@@ -82,9 +86,9 @@ def test_log_steps_logs_one_line_per_optimizer_step(core, caplog):
     assert sum(s.ops for s in steps) == stats.ops  # nothing runs after the last step
     assert sum(s.remats for s in steps) == stats.remats and stats.remats > 0
     # the per-step peaks are within the budget, and the session's peak is their maximum
-    assert max(s.peak_resident_bytes for s in steps) == stats.peak_resident_bytes <= TIGHT
+    assert max(s.peak_resident_bytes for s in steps) == stats.peak_resident_bytes <= tight
     assert stats.max_transient_bytes >= stats.peak_resident_bytes  # carried across steps
-    assert all(s.budget_bytes == TIGHT and s.seconds > 0 for s in steps)
+    assert all(s.budget_bytes == tight and s.seconds > 0 for s in steps)
     assert json.loads(steps[0].to_json())["step"] == 1
 
 
@@ -132,7 +136,7 @@ def test_bad_feedback_options(bad):
         dtr.enable(**bad)
 
 
-def test_stats_round_trip_through_json():
-    stats = _train(dict(budget=TIGHT)).stats()
+def test_stats_round_trip_through_json(tight):
+    stats = _train(dict(budget=tight)).stats()
     data = json.loads(stats.to_json())
     assert data == stats.as_dict() and dtr.Stats(**data) == stats
