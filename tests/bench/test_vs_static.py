@@ -13,9 +13,9 @@ import torch
 
 from bench import vs_static
 from bench.common import eager_peak_bytes
-from bench.harness import make_optimizer
 from bench.models import MODELS, batches, build
 from dtr import plot
+from tests.utils import make_optimizer
 
 
 def _train(name, loss_fn_of, steps=2):
@@ -107,6 +107,23 @@ def test_infeasible_budget_is_a_row_on_the_native_engine_too():
     assert res["status"] == "ok" and res["stats"].core == "native" and res["peak"] > 0
 
 
+def _dtr_rows(path) -> list[dict]:
+    """The dtr rows of the CSV vs_static wrote at path, after checking its columns."""
+    with open(path) as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames == vs_static.HEADER
+    return [r for r in rows if r["method"] == "dtr"]
+
+
+def _held_its_budget(row: dict) -> None:
+    """A dtr run at a budget it met: dtr's peak within it (the CSV rounds both to 0.1
+    MiB), with evictions and recomputations made."""
+    assert row["status"] == "ok", row
+    assert float(row["dtr_peak_resident_mib"]) <= float(row["budget_mib"]), row
+    assert int(row["evictions"]) > 0 and int(row["remats"]) > 0, row
+
+
 def test_the_native_engine_end_to_end(tmp_path):
     pytest.importorskip("dtr._C", reason="the native engine is C++")
     out = tmp_path / "vs.csv"
@@ -115,10 +132,10 @@ def test_the_native_engine_end_to_end(tmp_path):
         + ["--ratios", "0.5", "0.01", "--engine", "native", "--cost-model", "roofline"]
         + ["--out", str(out)]
     )
-    with open(out) as f:
-        rows = [r for r in csv.DictReader(f) if r["method"] == "dtr"]
+    rows = _dtr_rows(out)
     sweep = {r["setting"]: r["status"] for r in rows if "eager peak" in r["setting"]}
     assert sweep == {"0.5 x eager peak": "ok", "0.01 x eager peak": "infeasible"}
+    _held_its_budget(next(r for r in rows if r["setting"] == "0.5 x eager peak"))
 
 
 def test_native_engine_options_are_checked(capsys):
@@ -146,6 +163,8 @@ def test_the_comparison_end_to_end(tmp_path, capsys):
     assert any(r["setting"].startswith("@ checkpoint") for r in dtr_rows)
     sweep = {r["setting"]: r["status"] for r in dtr_rows if "eager peak" in r["setting"]}
     assert sweep == {"0.6 x eager peak": "ok", "0.01 x eager peak": "infeasible"}
+    assert dtr_rows == _dtr_rows(out)
+    _held_its_budget(next(r for r in dtr_rows if r["setting"] == "0.6 x eager peak"))
     with open(tmp_path / "vs.targets.csv") as f:
         assert len(list(csv.DictReader(f))) == 2  # one line per static point
     assert (tmp_path / "vs.png").stat().st_size > 10_000

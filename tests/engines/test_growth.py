@@ -8,6 +8,7 @@ compares the results with eager PyTorch bit for bit."""
 from __future__ import annotations
 
 import gc
+import itertools
 import tracemalloc
 from collections import Counter
 
@@ -86,8 +87,8 @@ def test_running_mean_of_the_loss_stays_flat(engine, update):
     assert means == eager_means
     for a, b in zip(model.parameters(), eager_model.parameters(), strict=True):
         assert torch.equal(a, b)
-    evictions = [b.evictions - a.evictions for a, b in zip(stats, stats[1:])]
-    remats = [b.remats - a.remats for a, b in zip(stats, stats[1:])]
+    evictions = [b.evictions - a.evictions for a, b in itertools.pairwise(stats)]
+    remats = [b.remats - a.remats for a, b in itertools.pairwise(stats)]
     assert min(evictions) > 0 and min(remats) > 0  # the budget made dtr recompute
     # A value is cut at most every other step: compare windows of equal length.
     early, late = slice(8, 12), slice(steps - 5, steps - 1)

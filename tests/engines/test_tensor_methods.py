@@ -70,7 +70,7 @@ def _same(a, b) -> bool:
         return True
     if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and a:
         if not isinstance(a[0], str):
-            return all(_same(p, q) for p, q in zip(a, b))
+            return all(_same(p, q) for p, q in zip(a, b, strict=True))
     return a == b
 
 
