@@ -42,7 +42,7 @@ comparison.
 Static checkpointing is applied here, by wrapping the blocks of the models in
 ``bench.models`` (their classes are untouched; ``static_loss``). Each wrapped forward
 runs the same ops in the same order as the model's own, so losses and gradients are
-bitwise equal to eager (``tests/test_vs_static.py``):
+bitwise equal to eager (``tests/bench/test_vs_static.py``):
 
 - cnn: the stem and the five residual blocks (n = 6) run as a sequence in
   ``checkpoint_sequential``'s schedule (the last segment is not checkpointed). It is

@@ -1,7 +1,7 @@
 // dtr core: the bookkeeping of Dynamic Tensor Rematerialization, with no PyObjects.
 //
 // This is a line-for-line port of dtr/_pycore.py (the reference). Both must make the
-// same decisions on the same event sequence; tests/test_core.py drives both and compares.
+// same decisions on the same event sequence; tests/unit/test_core.py drives both and compares.
 // Keep the order of every loop and every floating-point sum identical to the twin.
 //
 // Records are addressed by small integers that are reused only after the driver has

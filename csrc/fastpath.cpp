@@ -11,8 +11,8 @@
 // Runtime.handle, which serves every op. Evicted inputs are rebuilt here as well (the
 // driver loop and Recipe.replay). Both paths make the same core calls in the same order (the
 // comments name the Python each step mirrors), so a decision never depends on which
-// path ran; tests/test_fastpath.py compares them, and the suite runs on both (the
-// pure-Python core never takes this path).
+// path ran; tests/engines/subclass/test_fastpath.py compares them, and the suite runs on
+// both (the pure-Python core never takes this path).
 //
 // Values, Nodes, Recipes and wrappers stay Python objects shared with the Python path;
 // what moves here is the interpreter's work between them: taking the call apart,

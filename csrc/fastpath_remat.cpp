@@ -1,8 +1,8 @@
 // The fast path's recomputation: Runtime.rematerialize (the driver loop of
 // dtr/protocol.py), Runtime.rerun and Recipe.replay (dtr/recipe.py) in C++, so that with
 // the C++ core every recomputation, from the op path or from Runtime.rematerialize, is
-// made here. The comments name the Python each step mirrors; tests/test_fastpath.py
-// checks that both make the same core calls.
+// made here. The comments name the Python each step mirrors;
+// tests/engines/subclass/test_fastpath.py checks that both make the same core calls.
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 

@@ -175,7 +175,7 @@ def _check_thrash(thrash: object) -> None:
 def _thrash(options: Mapping[str, object], env: Mapping[str, str], stress: bool) -> object:
     """The thrash option (thrash=None: 0, no stop), else DTR_THRASH, else THRASH_DEFAULT;
     with stress, 0: stress mode recomputes every reuse by design, not for want of memory
-    (tests/test_native.py's 224-op transformer: ~90 recomputations per op)."""
+    (tests/engines/native/test_native.py's 224-op transformer: ~90 recomputations per op)."""
     if "thrash" in options:
         value = options["thrash"]
         return 0.0 if value is None else value

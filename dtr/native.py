@@ -12,7 +12,7 @@ in-place view ops and random ops (replayed from their generator's state); it ref
 with dtr.UnsupportedError, naming the op, in-place ops that replace a managed tensor's
 storage (resize_, set_), managed tensors mixed with sparse ones, and tensors off the CPU.
 PyTorch's OpInfo database runs under it in stress mode bit for bit as eager
-(tests/test_opinfo.py, test_native_*).
+(tests/integration/test_opinfo.py, test_native_*).
 Gradients accumulated into a leaf's .grad are handed out plain. An infeasible budget
 raises dtr.BudgetError. Traces (trace=, DTR_TRACE) are the subclass engine's format, for
 dtr.sim; timelines and per-step logs are dtr.enable()'s too, and so is the handling of

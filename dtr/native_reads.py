@@ -18,7 +18,7 @@ at once). ``data_ptr()``/``const_data_ptr()``, ``share_memory_()`` and
 ``untyped_storage()`` pin too, so an address holds for the tensor's life, as in eager;
 torch.multiprocessing's reductions reach the storage through ``untyped_storage()``, so a
 managed tensor sent to another process shares its pinned value, as in eager. Calling every
-``torch.Tensor`` method on a managed tensor against eager (tests/test_tensor_methods.py)
+``torch.Tensor`` method on a managed tensor against eager (tests/engines/test_tensor_methods.py)
 shows why each is here: the legacy
 constructors ``new()``/``new_tensor()`` take their device from the dispatch keys, and
 the engine's key (PrivateUse3) names none ("doesn't correspond to a device"), so a plain

@@ -11,7 +11,7 @@ What is learned is the most the kernel had allocated at once, read from the CPU
 allocation cache's meter (csrc/cpu_cache.cpp), when that is larger than its outputs: a
 kernel's own buffers are memory too (``convolution_backward``'s exceed its outputs):
 counting only outputs, a small CNN's step under 0.6 of its peak has 1.18x the budget in
-use, counting the buffers 1.01x (tests/test_real_memory.py). A recomputation makes room
+use, counting the buffers 1.01x (tests/engines/test_real_memory.py). A recomputation makes room
 for its outputs only. The native engine reads the same meter in C++.
 """
 

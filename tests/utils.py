@@ -203,7 +203,11 @@ def _lengths(a: Trajectory, b: Trajectory) -> list[str]:
     out = [f"{len(ys)} {what}, expected {len(xs)}" for what, xs, ys in kinds if len(xs) != len(ys)]
     if not out:
         steps = enumerate(zip(a.grads, b.grads, strict=True))
-        out = [f"{len(y)} grads at step {k}, expected {len(x)}" for k, (x, y) in steps if len(x) != len(y)]
+        out = [
+            f"{len(y)} grads at step {k}, expected {len(x)}"
+            for k, (x, y) in steps
+            if len(x) != len(y)
+        ]
     return out
 
 

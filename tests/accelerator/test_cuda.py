@@ -1,7 +1,7 @@
 """dtr on a CUDA device: what a CPU cannot show. Every test here is skipped, with the
 reason, on a machine without one (the device-generic runtime tests run on CUDA too,
-through ``tests.utils.DEVICES``: ``pytest tests/engines/subclass/test_runtime.py tests/engines/test_models.py -k
-cuda``).
+through ``tests.utils.DEVICES``: ``pytest tests/engines/subclass/test_runtime.py
+tests/engines/test_models.py -k cuda``).
 
 Comparisons with eager run under ``tests.utils.deterministic`` (deterministic kernels
 where PyTorch has them) and are bitwise, unless PyTorch reported a kernel without a

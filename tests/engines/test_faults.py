@@ -1,9 +1,10 @@
 """Bad input and faults: malformed settings (arguments and environment alike), budgets
 that cannot be met, exceptions and interrupts inside the block, and threads.
 
-Complements tests/unit/test_config.py (budget syntax through arguments), tests/engines/test_memory.py
-(an infeasible budget on the CNN) and tests/engines/subclass/test_runtime.py (a user error inside the
-block, nesting, reading wrappers from other threads).
+Complements tests/unit/test_config.py (budget syntax through arguments),
+tests/engines/test_memory.py (an infeasible budget on the CNN) and
+tests/engines/subclass/test_runtime.py (a user error inside the block, nesting, reading
+wrappers from other threads).
 
 Threads: one session at a time in the process. A second ``dtr.enable()`` while one is
 active, on any thread, is refused with a DTRError; the session's wrappers may be used

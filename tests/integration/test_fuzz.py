@@ -37,11 +37,12 @@ later session must work. Only the steps in ``REFUSABLE`` may be refused
 
 Runs:
 
-* CI (default): ``python -m pytest tests/integration/test_fuzz.py`` runs a fixed, derandomized set of
-  800 examples (the same programs on every run, no shrinking): about 25 s on 2 idle
-  cores, a minute under load.
-* Long run on demand: ``DTR_FUZZ_EXAMPLES=5000 python -m pytest tests/integration/test_fuzz.py -x -s``
-  draws fresh random programs (not derandomized; failures are shrunk, saved in
+* CI (default): ``python -m pytest tests/integration/test_fuzz.py`` runs a fixed,
+  derandomized set of 800 examples (the same programs on every run, no shrinking):
+  about 25 s on 2 idle cores, a minute under load.
+* Long run on demand:
+  ``DTR_FUZZ_EXAMPLES=5000 python -m pytest tests/integration/test_fuzz.py -x -s`` draws
+  fresh random programs (not derandomized; failures are shrunk, saved in
   ``.hypothesis/`` and replayed first next time); 4000 examples take ~15 minutes.
   ``DTR_FUZZ_SEED=<int>`` instead picks another fixed set of ``DTR_FUZZ_EXAMPLES``
   (default 800) examples. ``-s`` prints the totals (examples, evictions, remats, ...).

@@ -19,16 +19,17 @@ The same sweep runs under the native engine (``dtr.native.enable(stress=True,
 check=True)``; ``test_native_op``, ``test_native_inplace``), where managed tensors are a
 C++ TensorImpl rather than a wrapper subclass.
 
-Variants that cannot pass are listed in ``tests/integration/opinfo_expected.txt`` with a category and
-a one-line reason (for one engine if the entry says so); the file is checked both ways (a
-listed variant that passes fails).
+Variants that cannot pass are listed in ``tests/integration/opinfo_expected.txt`` with a
+category and a one-line reason (for one engine if the entry says so); the file is checked
+both ways (a listed variant that passes fails).
 
 By default each variant runs its first ``DTR_OPINFO_SAMPLES`` samples that hold data (8),
 fewer once ``REMAT_BUDGET`` recomputations were made, and a listed variant more until it
 shows what its entry claims: about 1.5 minutes on one core. ``DTR_OPINFO_FULL=1`` runs
 every sample of every variant. ``-m "not opinfo"`` leaves the module out.
-``python -m tests.integration.test_opinfo [--native] [op ...]`` runs the sweep outside pytest (under
-the native engine with ``--native``) and prints every failure and the pass rate per dtype.
+``python -m tests.integration.test_opinfo [--native] [op ...]`` runs the sweep outside
+pytest (under the native engine with ``--native``) and prints every failure and the pass
+rate per dtype.
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ def _fallbacks(monkeypatch) -> collections.Counter:
 @pytest.mark.parametrize("name", ["transformer", "tree"])
 def test_fast_path_serves_the_common_ops(name, monkeypatch):
     counts = _fallbacks(monkeypatch)
-    run = train(name, dtr_kwargs={"budget": int(unbudgeted_peak(name) * 0.5), "cost_model": "roofline"})
+    budget = int(unbudgeted_peak(name) * 0.5)
+    run = train(name, dtr_kwargs={"budget": budget, "cost_model": "roofline"})
     assert run.stats.evictions > 0
     # What handle() serves: dropout's random in-place steps, backward's seed, and ops
     # whose input was evicted (rematerialized there). Detach, of a managed tensor or a
