@@ -40,6 +40,7 @@
 #include "cpu_cache.h"
 #include "core.h"
 #include "fastpath_impl.h"
+#include "leaf_hooks.h"
 
 namespace py = pybind11;
 
@@ -130,6 +131,11 @@ py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwa
     direct = op.view || !(at::GradMode::is_enabled() && sc.requires_grad);
     if (!direct && op.managed && !sc.volatile_arg)
       return run(op, args.ptr(), kw, leaves);  // _wants_management
+    if (direct && sc.requires_grad && !at::GradMode::is_enabled() && !op.view)
+      for (const Leaf& l : leaves) {  // Runtime._hook_plain_reads (it writes nothing)
+        const at::Tensor& t = THPVariable_Unpack(l.arg);
+        if (t.requires_grad()) hook_leaf(l.arg, t);
+      }
   }
   if (!direct) return fallback(func, args, kwargs);
   PyObject* raw = PyObject_Call(op.op.ptr(), args.ptr(), kw);
@@ -647,7 +653,7 @@ int64_t FastPath::constant(PyObject* arg, std::vector<int64_t>& fresh) {
     int64_t tid = PyLong_AsLongLong(known);
     // Another tensor of a known storage (cuDNN's RNN weights are views of one buffer):
     // gradient hooks are per tensor.
-    if (t.requires_grad() && at::GradMode::is_enabled()) hook_leaf(arg, t);
+    if (t.requires_grad()) hook_leaf(arg, t);
     return tid;
   }
   if (PyErr_Occurred()) throw py::error_already_set();
@@ -663,15 +669,23 @@ int64_t FastPath::constant(PyObject* arg, std::vector<int64_t>& fresh) {
       PyDict_SetItem(const_keys_.ptr(), id.ptr(), key.ptr()) < 0 ||
       PyDict_SetItem(const_storages_.ptr(), id.ptr(), storage.ptr()) < 0)
     throw py::error_already_set();
-  if (t.requires_grad() && at::GradMode::is_enabled()) hook_leaf(arg, t);
+  if (t.requires_grad()) hook_leaf(arg, t);
   return tid;
 }
 
-// Runtime._hook_leaf(t), called only when t is not a leaf already hooked (the common case
-// for parameters read again and again: dict lookups, no Python call): LeafHooks.hooked.
+// Runtime._hook_leaf(t), called only when the leaf a read of t calls for (leaf_to_hook)
+// is not hooked already (the common case for parameters read again and again: dict
+// lookups, no Python call): LeafHooks.hooked.
 void FastPath::hook_leaf(PyObject* arg, const at::Tensor& t) {
-  if (t.is_leaf() && PyDict_GET_SIZE(leaf_handles_.ptr()) > 0) {
-    py::object key = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(t.unsafeGetTensorImpl()));
+  const at::Tensor leaf = leaf_to_hook(t);
+  if (!leaf.defined()) return;
+  py::object leaf_obj = leaf.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()
+                            ? py::reinterpret_borrow<py::object>(arg)
+                            : py::reinterpret_steal<py::object>(THPVariable_Wrap(leaf));
+  if (!leaf_obj) throw py::error_already_set();
+  if (PyDict_GET_SIZE(leaf_handles_.ptr()) > 0) {
+    py::object key =
+        py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(leaf.unsafeGetTensorImpl()));
     if (!key) throw py::error_already_set();
     PyObject* handle = PyDict_GetItemWithError(leaf_handles_.ptr(), key.ptr());
     if (handle == nullptr && PyErr_Occurred()) throw py::error_already_set();
@@ -679,11 +693,11 @@ void FastPath::hook_leaf(PyObject* arg, const at::Tensor& t) {
       py::object ref = get(py::handle(handle), s_hooks_dict_ref_);
       py::object hooks = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(ref.ptr()));
       if (!hooks) throw py::error_already_set();
-      py::object own = get(py::handle(arg), s_post_hooks_);
+      py::object own = get(leaf_obj, s_post_hooks_);
       if (!hooks.is_none() && hooks.ptr() == own.ptr()) return;
     }
   }
-  rt_.attr(s_hook_leaf_)(py::handle(arg));
+  rt_.attr(s_hook_leaf_)(leaf_obj);
 }
 
 // CheckpointTensor(ref, like) (dtr/tensor.py), without the Python frames: a wrapper with

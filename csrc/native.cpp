@@ -63,6 +63,7 @@
 #include <vector>
 
 #include "core.h"
+#include "leaf_hooks.h"
 #include "native_trace.h"
 #include "protocol.h"
 #include "roofline.h"
@@ -603,7 +604,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
 
   // ---- constants (Runtime._constant): one per storage, counted while a recipe reads it
   int64_t constant(const at::Tensor& t, std::vector<int64_t>& fresh) {
-    if (t.requires_grad() && at::GradMode::is_enabled()) hook_leaf(t);
+    if (t.requires_grad()) hook_leaf(t);
     const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
     auto it = const_tid.find(s);
     if (it != const_tid.end()) return it->second;
@@ -766,15 +767,13 @@ struct Engine : std::enable_shared_from_this<Engine> {
     if (out != escaped.end()) invalidate(core.members(out->second));
   }
 
-  // Called for a plain tensor an op reads under grad mode: the leaf it is (or views) gets
-  // Python's hook, so that a gradient accumulated into its .grad is handed out plain.
+  // Called for a plain tensor an op reads that requires grad: the leaf the read calls for
+  // (leaf_to_hook) gets Python's hook, so that a gradient accumulated into its .grad is
+  // handed out plain.
   void hook_leaf(const at::Tensor& t) {
     if (!leaf_hook) return;
-    // (a non-leaf that is no view, a plain tensor an op on a managed one wrote into,
-    // has no leaf of its own: _base() would throw)
-    if (!t.is_leaf() && !t.is_view()) return;
-    const at::TensorBase& leaf = t.is_leaf() ? t : t._base();
-    if (!leaf.defined() || !leaf.is_leaf() || !leaf.requires_grad()) return;
+    const at::Tensor leaf = leaf_to_hook(t);
+    if (!leaf.defined()) return;
     const c10::TensorImpl* impl = leaf.unsafeGetTensorImpl();
     auto it = hooked.find(impl);
     if (it != hooked.end() && !it->second.expired()) return;
@@ -785,7 +784,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
     }
     hooked.insert_or_assign(impl, c10::weak_intrusive_ptr<c10::TensorImpl>(leaf.getIntrusivePtr()));
     py::gil_scoped_acquire gil;
-    leaf_hook(at::Tensor(leaf));
+    leaf_hook(leaf);
   }
 
   // Runtime._budget_error's message: the numbers, and what cannot be evicted.
@@ -1602,6 +1601,16 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       eng->flush();
       for (const Leaf& l : leaves)
         if (is_written(l.arg)) eng->writes_to_plain(l.tensor);
+    }
+    if (eng && eng->open && !at::GradMode::is_enabled()) {
+      // A custom autograd.Function's forward on plain tensors: its backward may
+      // accumulate a managed gradient into a parameter read here (an optimizer's
+      // writes to its parameters are no reads that call for a hook).
+      for (const Leaf& l : leaves)
+        if (l.tensor.defined() && l.tensor.requires_grad() && !is_written(l.arg)) {
+          std::lock_guard<std::recursive_mutex> g(eng->mu);
+          eng->hook_leaf(l.tensor);
+        }
     }
     const bool remembers =
         facts.fill || (facts.transpose && !leaves.empty() && leaves[0].tensor.defined() &&

@@ -7,6 +7,24 @@ from collections.abc import Callable
 
 import torch
 
+def leaf_to_hook(t: torch.Tensor) -> torch.Tensor | None:
+    """The leaf whose gradient hook a read of ``t`` calls for (csrc/leaf_hooks.h, the same
+    rule for the C++ paths). Under grad mode, the leaf t is or views. With grad mode off
+    (a custom autograd.Function's forward, whose backward still accumulates into the
+    parameters it read; backward itself), the base of a view when the base is such a
+    leaf: a view made without grad mode is a leaf of its own (backward's ``weight.t()``,
+    new every step) that no graph accumulates into, and hooking it would add a hook per
+    view per step; a leaf view of a base that needs no gradient
+    (``big[:k].requires_grad_()``) is its own leaf."""
+    if not t.requires_grad:
+        return None
+    if t._is_view() and not (torch.is_grad_enabled() and t.is_leaf):
+        base = t._base
+        if base.is_leaf and base.requires_grad:
+            return base
+    return t if t.is_leaf else None
+
+
 # The list is pruned when it reaches twice its size after the last pruning (this at least).
 MIN_PRUNE_AT = 64
 

@@ -44,7 +44,7 @@ from .errors import (
 )
 from .grads import hand_out
 from .fresh import FACTORIES, TRANSPOSES, FreshFactories, FreshTransposes
-from .leaf_hooks import LeafHooks
+from .leaf_hooks import LeafHooks, leaf_to_hook
 from .protocol import Driver
 from .recipe import VERSION_SPEC, Rebuilt, Recipe, StandIn, copy_preserving_layout
 from .reserve import KernelMeter, OutputSizes
@@ -300,6 +300,8 @@ class Runtime(Driver):
                 # meta-only ops (zeros_like(p)...) make values no gradient flows from:
                 # optimizer state made outside no_grad (Adagrad's) stays plain
                 if facts.view or facts.meta_only or not _wants_management(call):
+                    if not torch.is_grad_enabled() and not facts.view:
+                        self._hook_plain_reads(call, writes)
                     return func(*args, **kwargs)
             elif facts.meta_only:
                 return self._run_meta_only(func, facts, call)
@@ -1032,11 +1034,7 @@ class Runtime(Driver):
         if tid is not None:
             # Another tensor of a known storage (cuDNN's RNN weights are views of one
             # buffer): gradient hooks are per tensor.
-            if (
-                t.requires_grad
-                and torch.is_grad_enabled()
-                and not self.leaf_hooks.hooked(t)
-            ):
+            if t.requires_grad:
                 self._hook_leaf(t)
             return tid
         tid = self.core.new_constant(storage.nbytes())
@@ -1047,21 +1045,25 @@ class Runtime(Driver):
         fresh.append(tid)
         if self.trace is not None:
             self.trace.constant(self.nodes[tid].label, storage.nbytes())
-        if t.requires_grad and torch.is_grad_enabled():
+        if t.requires_grad:
             self._hook_leaf(t)
         return tid
 
     def _hook_leaf(self, t: torch.Tensor) -> None:
-        """Hook the leaf t is (or views) so that a managed gradient accumulated into its
-        .grad is handed out plain. Called only for reads under grad mode: a read without
-        it (backward, which also reads new leaf aliases of the parameters every step;
-        no_grad code) builds no graph that could accumulate into the leaf."""
-        leaf = t if t.is_leaf else t._base
-        if leaf is None or not leaf.is_leaf or not leaf.requires_grad:
-            return
-        if self.leaf_hooks.hooked(leaf):
+        """Hook the leaf a read of t calls for (``leaf_hooks.leaf_to_hook``) so that a
+        managed gradient accumulated into its .grad is handed out plain."""
+        leaf = leaf_to_hook(t)
+        if leaf is None or self.leaf_hooks.hooked(leaf):
             return
         self.leaf_hooks.add(leaf, self._grad_ready)
+
+    def _hook_plain_reads(self, call: Call, writes) -> None:
+        """A plain op with grad mode off may be a custom autograd.Function's forward, whose
+        backward may accumulate a managed gradient into a parameter it reads (an
+        optimizer's writes to its parameters are no reads that call for a hook)."""
+        for k, t in enumerate(call.leaves):
+            if t.requires_grad and call.positions[k] not in writes:
+                self._hook_leaf(t)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         # Optimizers (foreach and fused paths included) see plain gradients.

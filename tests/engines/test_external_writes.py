@@ -278,7 +278,6 @@ def test_a_gradient_sharing_memory_with_a_live_tensor_is_handed_out_as_a_copy(en
     def step():
         _GradFromAStash.stash.clear()
         w = torch.linspace(-1, 1, 4 * N).reshape(4, N).requires_grad_()
-        w.mul(1)  # an op that reads w under grad mode: dtr hands out its .grad
         (_GradFromAStash.apply(w).exp() * 0.5).sum().backward()
         return w
 
@@ -293,3 +292,45 @@ def test_a_gradient_sharing_memory_with_a_live_tensor_is_handed_out_as_a_copy(en
         kept = dtr.materialize(_GradFromAStash.stash[0])
         assert torch.equal(kept[: want.shape[0]], want)
     assert pinned < 2 * 4 * N * 4  # not the buffer (twice the gradient), pinned in place
+
+
+class _Scale(torch.autograd.Function):
+    """x * w.t() with a hand-written backward: w is read only here, with grad mode off."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x.mm(w.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g.mm(w), g.t().mm(x)
+
+
+@pytest.mark.parametrize("first_layer", [False, True], ids=["on_activations", "on_the_input"])
+def test_a_parameter_read_only_by_a_custom_functions_forward_gets_a_plain_grad(engine, first_layer):
+    # An autograd.Function's forward runs with grad mode off; its backward still
+    # accumulates a managed gradient into the parameter, which optimizers must see plain.
+    # On the input batch (a plain tensor) the forward's ops read no managed value at all.
+    def train():
+        torch.manual_seed(0)
+        w = torch.randn(N, N, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+        x = torch.randn(8, N)
+        grads = []
+        for _ in range(2):
+            h = _Scale.apply(x if first_layer else x.exp(), w)
+            (h.tanh() * 0.5).sum().backward()
+            grads.append(w.grad.clone())
+            assert type(w.grad) is torch.Tensor and not dtr.native.is_managed(w.grad)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        return w.detach().clone(), grads
+
+    want_w, want_grads = train()
+    with dtr.enable(engine=engine, stress=True) as session:
+        got_w, got_grads = train()
+        assert session.stats().remats > 0
+    assert all(torch.equal(g, h) for g, h in zip(got_grads, want_grads, strict=True))
+    assert torch.equal(got_w, want_w)
