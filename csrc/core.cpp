@@ -1,4 +1,4 @@
-// See core.h. Every function mirrors the method of the same name in dtr/_pycore.py.
+// See core.h. Every function mirrors the method of the same name in dtr/core/reference.py.
 #include "core.h"
 
 #include <algorithm>

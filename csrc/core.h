@@ -1,6 +1,6 @@
 // dtr core: the bookkeeping of Dynamic Tensor Rematerialization, with no PyObjects.
 //
-// This is a line-for-line port of dtr/_pycore.py (the reference). Both must make the
+// This is a line-for-line port of dtr/core/reference.py (the reference). Both must make the
 // same decisions on the same event sequence; tests/test_core.py drives both and compares.
 // Keep the order of every loop and every floating-point sum identical to the twin.
 //

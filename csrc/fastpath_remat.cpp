@@ -1,5 +1,5 @@
 // The fast path's recomputation: Runtime.rematerialize (the driver loop of
-// dtr/protocol.py), Runtime.rerun and Recipe.replay (dtr/recipe.py) in C++, so that with
+// dtr/core/rebuild.py), Runtime.rerun and Recipe.replay (dtr/recipe.py) in C++, so that with
 // the C++ core every recomputation, from the op path or from Runtime.rematerialize, is
 // made here. The comments name the Python each step mirrors; tests/test_fastpath.py
 // checks that both make the same core calls.
@@ -16,7 +16,7 @@
 namespace dtr {
 namespace fast {
 
-// Runtime.rematerialize (Driver.rematerialize in dtr/protocol.py): rerun the recipes
+// Runtime.rematerialize (Rebuilder.rematerialize in dtr/core/rebuild.py): rerun the recipes
 // that rebuild tid, in the order the core schedules them. The caller holds tid locked.
 void FastPath::rematerialize(int64_t tid) {
   Core& core = *core_;

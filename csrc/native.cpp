@@ -749,7 +749,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
     return r;
   }
 
-  // ---- Driver.invalidate (csrc/protocol.h): what reads `seeds` is materialized and pinned
+  // ---- Rebuilder.invalidate (csrc/protocol.h): what reads `seeds` is materialized and pinned
   void invalidate(const std::vector<int64_t>& seeds) {
     if (trace) trace->invalidate(seeds);
     dtr::invalidate(core, seeds, [&](int64_t t) { rematerialize(t); }, [&] { drain(); });
@@ -830,7 +830,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
     core.unlock(tid);
   }
 
-  // ---- Driver.rematerialize (csrc/protocol.h)
+  // ---- Rebuilder.rematerialize (csrc/protocol.h)
   void rematerialize(int64_t tid) {
     try {
       dtr::rematerialize(

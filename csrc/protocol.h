@@ -1,4 +1,4 @@
-// The driver protocol in C++ (dtr/protocol.py, Driver.rematerialize and Driver.invalidate):
+// The rebuild protocol in C++ (dtr/core/rebuild.py, Rebuilder.rematerialize and Rebuilder.invalidate):
 // the core calls a driver makes to rebuild a tensor and to cut what reads a tensor about
 // to be written, in the order the Python twin makes them (the core's choices depend on
 // that order). Used by the simulator's replay loop (replay.cpp), the subclass engine's
@@ -15,7 +15,7 @@
 
 namespace dtr {
 
-// The range each recipe's rerun gets in torch.profiler (dtr/protocol.py's REMAT_RANGE), so
+// The range each recipe's rerun gets in torch.profiler (dtr/core/rebuild.py's REMAT_RANGE), so
 // that time spent recomputing shows apart from the ops the program asked for.
 constexpr const char* kRematRange = "dtr::remat";
 

@@ -10,7 +10,7 @@ recomputes it from its lineage when it is needed again, backward included.
     print(session.stats())
 """
 
-from ._pycore import DEFAULT_HEURISTIC, HEURISTICS
+from .core.reference import DEFAULT_HEURISTIC, HEURISTICS
 from .config import DTRConfig
 from .errors import BudgetError, ConfigError, DTRError, InternalError, UnsupportedError
 from .session import Session, enable, materialize

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from . import device as _device
 from . import engines as _engines
-from ._pycore import DEFAULT_HEURISTIC, HEURISTICS
+from .core.reference import DEFAULT_HEURISTIC, HEURISTICS
 from .cost import COST_MODELS, DEFAULT_COST_MODEL
 from .errors import ConfigError
 from .units import ACCEPTED, MAX_BYTES, parse_bytes

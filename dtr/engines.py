@@ -35,7 +35,7 @@ def choose(force_python: bool, measure: str) -> tuple[str, str]:
         return "subclass", f"measure={measure!r} reads an accelerator's allocator"
     if _accelerator_available():
         return "subclass", "an accelerator is available (the native engine is CPU only)"
-    from ._core import _load_extension
+    from .core import _load_extension
 
     if _load_extension() is None:
         return "subclass", "dtr's C++ extension (dtr._C) is not built"

@@ -30,8 +30,8 @@ from . import data_setter
 from . import device as _device
 from . import oom, rng
 from . import recipe as _recipe
-from ._core import make_core
-from ._pycore import NEW, VERSION, VIEW
+from .core import core_class
+from .core.reference import NEW, VERSION, VIEW
 from .call import Call, rebuild_returns, returns_of, substitute
 from .config import DTRConfig
 from .errors import (
@@ -45,7 +45,7 @@ from .errors import (
 from .grads import hand_out
 from .fresh import FACTORIES, TRANSPOSES, FreshFactories, FreshTransposes
 from .leaf_hooks import LeafHooks
-from .protocol import Driver
+from .core.rebuild import Rebuilder
 from .recipe import VERSION_SPEC, Rebuilt, Recipe, StandIn, copy_preserving_layout
 from .reserve import KernelMeter, OutputSizes
 from .schema import OpFacts, op_facts
@@ -120,14 +120,14 @@ class _Op:
         self.rebuilt: dict[int, Rebuilt] = {}  # sparse leaves the recipe takes again
 
 
-class Runtime(Driver):
+class Runtime(Rebuilder):
     def __init__(self, config: DTRConfig):
         self.config = config
         # measure="allocator": the budget counts the whole device (measure_device)
         self.meter = _device.allocator_meter() if config.measure == "allocator" else None
         self.unmanaged_bytes = 0  # what the meter read beyond dtr's count, last boundary
         budget = -1 if config.budget_bytes is None else config.budget_bytes
-        self.core, self.core_kind = make_core(config, budget)
+        self.core, self.core_kind = _make_core(config, budget)
         self.nodes: list[Node | None] = []
         self.recipes: list[Recipe | None] = []
         self.storages: dict[int, int] = {}  # storage key -> constant tid
@@ -864,7 +864,7 @@ class Runtime(Driver):
                 raise InternalError(f"dtr: rematerializing {node.describe()} left no value")
         return value
 
-    # Driver hooks (dtr/protocol.py): rematerialize() and invalidate() come from there.
+    # Rebuilder hooks (dtr/core/rebuild.py): rematerialize() and invalidate() come from there.
     def rematerialize(self, tid: int) -> None:
         if self._fast is not None and self._fast.rematerialize(tid):
             return  # the same calls, made from C++ (csrc/fastpath_remat.cpp)
@@ -1460,6 +1460,14 @@ _FAST_TYPES = types.SimpleNamespace(
     storage_freed=freed,
     Parameter=torch.nn.Parameter,
 )
+
+
+def _make_core(config: DTRConfig, budget: int):
+    cls, kind = core_class(config.force_python)
+    core = cls(config.heuristic, budget, config.seed, config.min_evict_bytes)
+    core.search_sample = config.search_sample
+    core.thrash = float(config.thrash)
+    return core, kind
 
 
 # ====================================================================== outside the mode

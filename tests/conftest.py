@@ -14,7 +14,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from dtr._core import core_class  # noqa: E402
+from dtr.core import core_class  # noqa: E402
 
 # One intra-op thread: these tests run small ops, and on a shared 2-core machine
 # OpenMP's spinning threads starve each other (a stress run measured 113 s instead of

@@ -253,7 +253,7 @@ def test_missing_extension_warns_once_and_uses_the_twin(monkeypatch):
 
     import torch
 
-    from dtr import _core
+    from dtr import core as _core
 
     monkeypatch.setitem(sys.modules, "dtr._C", None)  # makes `from . import _C` fail
     monkeypatch.setattr(_core, "_warned", False)
@@ -271,7 +271,7 @@ def test_missing_extension_warns_once_and_uses_the_twin(monkeypatch):
 def test_extension_built_for_another_torch_is_not_used(monkeypatch):
     import warnings
 
-    from dtr import _core
+    from dtr import core as _core
 
     ext = _core._load_extension()
     if ext is None:
@@ -304,7 +304,7 @@ def test_auto_engine_is_native_on_a_cpu_only_machine():
 def test_auto_engine_falls_back_to_the_subclass_engine(monkeypatch, why):
     # Each thing that rules the native engine out: auto then runs the subclass engine,
     # and an explicit engine="native" is still honoured where it can run.
-    from dtr import _core, engines, native_key
+    from dtr import core as _core, engines, native_key
 
     monkeypatch.setattr(engines, "_accelerator_available", lambda: why == "accelerator")
     if why == "python core":

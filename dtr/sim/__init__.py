@@ -15,8 +15,8 @@ import numbers
 import os
 import time
 
-from .._core import core_class
-from .._pycore import DEFAULT_HEURISTIC, HEURISTICS, PyCore
+from ..core import core_class
+from ..core.reference import DEFAULT_HEURISTIC, HEURISTICS, PyCore
 from ..errors import ConfigError
 from . import program
 from .driver import Result, replay

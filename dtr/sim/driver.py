@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from .._pycore import NEW, VERSION
-from ..protocol import Driver
+from ..core.reference import NEW, VERSION
+from ..core.rebuild import Rebuilder
 from . import program as P
 
 
@@ -79,7 +79,7 @@ class Result:
         }
 
 
-class Replay(Driver):
+class Replay(Rebuilder):
     def __init__(self, prog: P.Program, core, stress: bool = False, thrash: float = 2.0):
         self.prog = prog
         self.core = core

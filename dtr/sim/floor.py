@@ -10,7 +10,7 @@ workspaces are left out (traces do not record them).
 
 from __future__ import annotations
 
-from .._pycore import NEW, PyCore
+from ..core.reference import NEW, PyCore
 from . import program as P
 from .driver import Replay
 

@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from .._pycore import HEURISTICS, NEW, VERSION, VIEW
+from ..core.reference import HEURISTICS, NEW, VERSION, VIEW
 from ..errors import DTRError
 from . import program as P
 

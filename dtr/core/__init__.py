@@ -11,8 +11,7 @@ import warnings
 
 import torch
 
-from ._pycore import PyCore
-from .config import DTRConfig
+from .reference import PyCore
 
 _warned = False
 
@@ -50,11 +49,3 @@ def core_class(force_python: bool):
         if ext is not None:
             return ext.Core, "c++"
     return PyCore, "python"
-
-
-def make_core(config: DTRConfig, budget: int):
-    cls, kind = core_class(config.force_python)
-    core = cls(config.heuristic, budget, config.seed, config.min_evict_bytes)
-    core.search_sample = config.search_sample
-    core.thrash = float(config.thrash)
-    return core, kind

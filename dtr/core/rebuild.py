@@ -1,10 +1,10 @@
-"""The driver protocol: sequences of core calls that the live runtime and the simulator
+"""The rebuild protocol: sequences of core calls that the live runtime and the simulator
 make the same way, so that a replayed trace reproduces a live run's decisions exactly.
 
 The core's choices depend on the order of every call (ids are reused in the order they
 are drained; staleness follows the clock), so these algorithms are written once, here.
 ``csrc/protocol.h`` is their compiled twin (the simulator's replay loop, csrc/replay.cpp,
-the fast path and the native engine use it); tests compare each with the Python driver.
+the fast path and the native engine use it); tests compare each with the Python twin.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from .errors import InternalError
+from ..errors import InternalError
 
 # The range each recipe's rerun gets in torch.profiler (csrc/protocol.h's kRematRange), so
 # that time spent recomputing shows apart from the ops the program asked for.
@@ -27,7 +27,7 @@ def remat_range():
     return contextlib.nullcontext()
 
 
-class Driver:
+class Rebuilder:
     """Base of ``dtr.runtime.Runtime`` and ``dtr.sim.driver.Replay``. Subclasses say how
     a recipe is rerun, what happens when the budget cannot be met, and what draining the
     core means for them."""

@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 import time
 
-from .errors import BudgetError
-from .units import format_bytes
+from ..errors import BudgetError
+from ..units import format_bytes
 
 HEURISTICS = (
     "dtr",
