@@ -3,13 +3,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "core.h"
+#include "core/core.h"
 #include "cpu_cache.h"
 #include "device_memory.h"
-#include "fastpath.h"
-#include "native.h"
-#include "replay.h"
-#include "roofline.h"
+#include "subclass/fastpath.h"
+#include "native/engine.h"
+#include "core/replay.h"
+#include "core/roofline.h"
 
 namespace py = pybind11;
 

@@ -15,7 +15,7 @@ from .config import DTRConfig
 from .errors import BudgetError, ConfigError, DTRError, InternalError, UnsupportedError
 from .session import Session, enable, materialize
 from .stats import Stats
-from .tensor import CheckpointTensor
+from .engines.subclass.tensor import CheckpointTensor
 
 __version__ = "0.1.0"
 

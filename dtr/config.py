@@ -32,10 +32,10 @@ ENV_ENGINE = "DTR_ENGINE"
 ENV_MEASURE = "DTR_MEASURE"
 ENV_THRASH = "DTR_THRASH"
 
-# "auto" (the default: the native engine unless the machine has an accelerator, ...);
-# "native": managed tensors as a C++ TensorImpl, every op through one C++ fallback (CPU
-# only; dtr.native); "subclass": a Python wrapper subclass and dispatch mode with a C++
-# fast path, on any device. dtr/engines.py has the rule.
+# "auto" (the default: the native engine unless the machine has an accelerator, ...); "native":
+# managed tensors as a C++ TensorImpl, every op through one C++ fallback (CPU only;
+# dtr.engines.native.session); "subclass": a Python wrapper subclass and dispatch mode with a C++
+# fast path, on any device. dtr/engines/__init__.py has the rule.
 ENGINES = _engines.ENGINES
 
 # What the budget is held to: "dtr", dtr's own count of the bytes it manages (the values
@@ -74,18 +74,18 @@ class DTRConfig:
         force_python: use the pure-Python core even when the C++ one is built.
         cost_model: "roofline" (deterministic estimate, the default) or "time" (measured
             wall time, which makes eviction decisions differ from run to run).
-        trace: path of an operator trace to write (see dtr.trace), or None.
+        trace: path of an operator trace to write (see dtr.engines.subclass.trace), or None.
         timeline: how many op boundaries to keep in session.timeline() (the newest);
             0 records none.
         log_steps: log a one-line summary per optimizer step to the "dtr" logger.
         engine: the engine that runs the session, "native" or "subclass" (dtr.enable()
-            resolves "auto" to one of them; see dtr/engines.py).
+            resolves "auto" to one of them; see dtr/engines/__init__.py).
         measure: "dtr" or "allocator" (see MEASURES).
         thrash: the thrash stop: a step whose recomputations pass (thrash - 1) x its
             ops raises BudgetError (THRASH_DEFAULT); 0 never stops.
         cache_bytes: the idle bytes the native engine's CPU allocation cache may keep
-            (0: none), or None for its default (dtr.native.DEFAULT_CACHE). The native
-            engine's own option: the subclass engine runs on PyTorch's allocator.
+            (0: none), or None for its default (dtr.engines.native.session.DEFAULT_CACHE). The
+            native engine's own option: the subclass engine runs on PyTorch's allocator.
     """
 
     budget_bytes: int | None = None
@@ -273,7 +273,7 @@ def _env_choice(
 
 def _engine(engine, env: Mapping[str, str], python_core: bool, measure: str) -> str:
     """The engine that runs the session, "native" or "subclass": from the option, else
-    DTR_ENGINE, else "auto", which dtr/engines.py resolves."""
+    DTR_ENGINE, else "auto", which dtr/engines/__init__.py resolves."""
     names = (*ENGINES, *_engines.OLD_NAMES)
     if engine is None:
         engine = _env_choice(env, ENV_ENGINE, "engine", "auto", names)

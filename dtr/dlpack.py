@@ -28,7 +28,7 @@ _original = None
 
 
 def to_dlpack(tensor: torch.Tensor):
-    from .tensor import CheckpointTensor, _plain
+    from .engines.subclass.tensor import CheckpointTensor, _plain
 
     if isinstance(tensor, CheckpointTensor):
         # The capsule holds the plain value, which the export pins in the core.

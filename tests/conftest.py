@@ -81,18 +81,18 @@ def _clean_env(monkeypatch):
 @pytest.fixture
 def logged(monkeypatch):
     """Keeps the eviction log of every live session's core (the subclass engine's)."""
-    import dtr.runtime
+    import dtr.engines.subclass.runtime
 
     monkeypatch.setenv("DTR_ENGINE", "subclass")
     cores = []
-    init = dtr.runtime.Runtime.__init__
+    init = dtr.engines.subclass.runtime.Runtime.__init__
 
     def patched(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.core.log_evictions(True)
         cores.append(self.core)
 
-    monkeypatch.setattr(dtr.runtime.Runtime, "__init__", patched)
+    monkeypatch.setattr(dtr.engines.subclass.runtime.Runtime, "__init__", patched)
     return cores
 
 

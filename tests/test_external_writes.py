@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dtr
-import dtr.native
+import dtr.engines.native.session
 import dtr.sim as sim
 
 N = 32
@@ -287,7 +287,7 @@ def test_a_gradient_sharing_memory_with_a_live_tensor_is_handed_out_as_a_copy(en
         w = step()
         pinned = session.stats().pinned_bytes
         grad = w.grad
-        assert type(grad) is torch.Tensor and not dtr.native.is_managed(grad)
+        assert type(grad) is torch.Tensor and not dtr.engines.native.session.is_managed(grad)
         assert torch.equal(grad, want)
         grad.zero_()  # a copy: the buffer keeps the gradient it held
         kept = dtr.materialize(_GradFromAStash.stash[0])

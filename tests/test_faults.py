@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dtr
-from dtr import runtime as dtr_runtime
+from dtr.engines.subclass import runtime as dtr_runtime
 from tests.conftest import HAVE_CPP
 from tests.utils import assert_bitwise, eager_chain_grad
 

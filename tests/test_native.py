@@ -1,5 +1,5 @@
-"""The native engine (dtr.native, csrc/native.cpp): training bitwise equal to eager with and
-without a budget tight enough to evict and recompute (in-place writes given versions,
+"""The native engine (dtr/engines/native/, csrc/native/): training bitwise equal to eager
+with and without a budget tight enough to evict and recompute (in-place writes given versions,
 random ops replayed from their generator's state, batch norm's hidden writes), gradients
 handed out plain, direct reads of evicted values refused with dtr's message, tensors
 usable after the block, and what it does not serve refused by name."""
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import dtr
-import dtr.native as native
+import dtr.engines.native.session as native
 from dtr.errors import DTRError
 from tests.utils import eager_chain_grad
 
@@ -150,8 +150,8 @@ def test_values_are_managed_and_readable_after_the_block():
 
 
 def test_direct_reads_of_an_evicted_value_recompute_it():
-    # tolist() reads a copy of the value, recomputed; data_ptr() recomputes and pins it
-    # (an address must hold for the tensor's life), as numpy() does (dtr/native_reads.py).
+    # tolist() reads a copy of the value, recomputed; data_ptr() recomputes and pins it (an address
+    # must hold for the tensor's life), as numpy() does (dtr/engines/native/undispatched_reads.py).
     model, x, _ = _model("mlp")
     with torch.no_grad():
         want = [x]
@@ -475,11 +475,11 @@ def test_bad_stress_flag_is_a_config_error():
 
 @pytest.mark.parametrize("name", ["lstm", "mlp", "transformer", "tree"])
 def test_room_is_made_before_an_op_that_was_seen(name):
-    """From the second step on, the engine knows what each op allocates (per op and input
-    shapes, dtr/reserve.py) and evicts that much before running it, so fresh outputs do
-    not sit on top of the budget: the transient count stays within 5% of a 30% budget.
-    The LSTM's layer op returns a large workspace; without the reservation its steps
-    overshoot the budget by more than half of it."""
+    """From the second step on, the engine knows what each op allocates (per op and input shapes,
+    dtr/engines/subclass/kernel_peaks.py) and evicts that much before running it, so fresh outputs
+    do not sit on top of the budget: the transient count stays within 5% of a 30% budget. The LSTM's
+    layer op returns a large workspace; without the reservation its steps overshoot the budget by
+    more than half of it."""
     from bench.harness import make_optimizer
     from bench.models import MODELS, batches, build
 
@@ -536,7 +536,7 @@ def _roofline_cases():
 
 @pytest.mark.parametrize("case", range(len(_roofline_cases())))
 def test_roofline_prices_as_dtr_cost_does(case):
-    """The native engine's C++ roofline (csrc/roofline.cpp) gives dtr/cost.py's estimate
+    """The native engine's C++ roofline (csrc/core/roofline.cpp) gives dtr/cost.py's estimate
     of the same call: matmuls and convolutions (forward, transposed, and the backward's
     output masks) by torch's FLOP formulas, everything else by bytes moved."""
     from dtr import _C
@@ -1051,12 +1051,12 @@ def test_tensors_used_from_other_threads():
 
 @pytest.mark.parametrize("change", ["other-thread-write", "data", "half", "storage-freed"])
 def test_a_plain_tensor_changed_behind_the_engine_is_refused_on_recompute(change):
-    """A recipe reads a parameter; then, with no op the engine sees, the parameter is
-    written on another thread, gets another storage where the engine cannot see it
-    (PyTorch's own `.data` setter, as C++ code reaches it; `p.data = ...` in Python is
-    served, tests/test_tensor_identity.py) or has its storage freed (what FSDP2 does when it reshards). Recomputing would read
-    the new values (or freed memory) where the program read the old ones: refused with
-    the subclass engine's dtr.UnsupportedError (tests/test_faults.py, test_ddp.py)."""
+    """A recipe reads a parameter; then, with no op the engine sees, the parameter is written on
+    another thread, gets another storage where the engine cannot see it (PyTorch's own `.data`
+    setter, as C++ code reaches it; `p.data = ...` in Python is served,
+    tests/test_tensor_identity.py) or has its storage freed (what FSDP2 does when it reshards).
+    Recomputing would read the new values (or freed memory) where the program read the old ones:
+    refused with the subclass engine's dtr.UnsupportedError (tests/test_faults.py, test_ddp.py)."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(8, 8))
     x = torch.randn(4, 8)
@@ -1145,7 +1145,7 @@ def test_dtr_enable_selects_the_native_engine(monkeypatch):
     with pytest.raises(dtr.ConfigError, match="unknown engine 'fast'; valid: auto, native, sub"):
         dtr.enable(engine="fast")
     monkeypatch.setenv("DTR_ENGINE", "subclass")
-    assert isinstance(dtr.enable(), dtr.session.Session)
+    assert isinstance(dtr.enable(), dtr.Session)
     monkeypatch.setenv("DTR_ENGINE", "default")  # the subclass engine's old name
     with pytest.warns(DeprecationWarning, match="engine 'default' is now called 'subclass'"):
         assert dtr.enable().engine == "subclass"

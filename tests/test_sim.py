@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dtr
-import dtr.runtime
+import dtr.engines.subclass.runtime
 import dtr.sim as sim
 from bench.harness import mismatches, train
 from bench.heldout import HELDOUT

@@ -3,7 +3,7 @@ make the same way, so that a replayed trace reproduces a live run's decisions ex
 
 The core's choices depend on the order of every call (ids are reused in the order they
 are drained; staleness follows the clock), so these algorithms are written once, here.
-``csrc/protocol.h`` is their compiled twin (the simulator's replay loop, csrc/replay.cpp,
+``csrc/core/rebuild.h`` is their compiled twin (the simulator's replay loop, csrc/core/replay.cpp,
 the fast path and the native engine use it); tests compare each with the Python twin.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from ..errors import InternalError
 
-# The range each recipe's rerun gets in torch.profiler (csrc/protocol.h's kRematRange), so
+# The range each recipe's rerun gets in torch.profiler (csrc/core/rebuild.h's kRematRange), so
 # that time spent recomputing shows apart from the ops the program asked for.
 REMAT_RANGE = "dtr::remat"
 
@@ -28,9 +28,9 @@ def remat_range():
 
 
 class Rebuilder:
-    """Base of ``dtr.runtime.Runtime`` and ``dtr.sim.driver.Replay``. Subclasses say how
-    a recipe is rerun, what happens when the budget cannot be met, and what draining the
-    core means for them."""
+    """Base of ``dtr.engines.subclass.runtime.Runtime`` and ``dtr.sim.replay.Replay``.
+    Subclasses say how a recipe is rerun, what happens when the budget cannot be met, and
+    what draining the core means for them."""
 
     core = None
 
@@ -87,7 +87,7 @@ class Rebuilder:
             # was resident when it was checked (it was not locked then), and a held
             # tensor must be materialized before it is pinned. Each extra pass locks at
             # least one more tensor, so this ends; with no such eviction it is one pass
-            # and the core sees the same calls as before (csrc/replay.cpp's twin).
+            # and the core sees the same calls as before (csrc/core/replay.cpp's twin).
             again = True
             while again:
                 again = False

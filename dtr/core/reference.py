@@ -1,4 +1,4 @@
-"""Pure-Python twin of the C++ bookkeeping core (``csrc/core.cpp``).
+"""Pure-Python twin of the C++ bookkeeping core (``csrc/core/core.cpp``).
 
 This is the reference implementation: every decision the C++ core makes (which pool to
 evict, what to recompute, when lineage is dropped) must be made identically here, and the
@@ -44,7 +44,7 @@ HEURISTICS = (
 # neighbourhood the program still holds (docs/heuristics.md gives the measurements).
 DEFAULT_HEURISTIC = "dtr_held"
 
-# The thrash stop's smallest allowance, in ops (Core.thrash; csrc/core.h kThrashFloor).
+# The thrash stop's smallest allowance, in ops (Core.thrash; csrc/core/core.h kThrashFloor).
 THRASH_FLOOR = 1000
 
 # Output kinds for record(): a fresh storage, a view of an input, or a new version of a
@@ -583,7 +583,7 @@ class PyCore:
     def _best_of(self, pids: list[int]) -> int:
         """The lowest-scoring evictable pool of pids. Ties go to the larger pool, then
         the cheaper recomputation (the score's numerator), then the smallest pid, so the
-        choice does not depend on the order of pids (csrc/core.cpp says why)."""
+        choice does not depend on the order of pids (csrc/core/core.cpp says why)."""
         if self._h == 6:  # random: uniform over the candidates, in pid order
             ok = sorted(
                 {pid for pid in pids if self._eligible(self._P[pid])},

@@ -19,7 +19,7 @@ from ..core import core_class
 from ..core.reference import DEFAULT_HEURISTIC, HEURISTICS, PyCore
 from ..errors import ConfigError
 from . import program
-from .driver import Result, replay
+from .replay import Result, replay
 from .parse import INT64_MAX, UINT64_MAX, TraceError, integer_value, load
 
 __all__ = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..core.reference import NEW, PyCore
 from . import program as P
-from .driver import Replay
+from .replay import Replay
 
 
 class _FloorReplay(Replay):

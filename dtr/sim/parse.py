@@ -1,5 +1,5 @@
 """Reads an operator trace (ours or the DTR prototype's, gzip or plain) into a Program.
-The format is described in ``dtr/trace.py``."""
+The format is described in ``dtr/engines/subclass/trace.py``."""
 
 from __future__ import annotations
 
