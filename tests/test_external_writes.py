@@ -89,7 +89,7 @@ def _check(engine, options, program, *args, trace=None):
     if trace is not None:
         prog = sim.load(trace)
         for replay in ("c++", "python"):
-            res = sim.simulate(prog, None, engine=replay, thrash=0, **options)
+            res = sim.simulate(prog, None, core=replay, thrash=0, **options)
             assert res.status == "ok"
             assert (res.evictions, res.remats) == (stats.evictions, stats.remats)
 

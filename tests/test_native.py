@@ -626,10 +626,8 @@ def test_a_native_run_and_its_trace_replayed_evict_alike(name, tmp_path):
     prog = sim.load(path)
     assert prog.mode == P.LIVE
     assert any(ins[0] == "RESERVE" for ins in P.disassemble(prog))  # room made before ops
-    for engine in ("c++", "python"):
-        res = sim.simulate(
-            prog, start["HEURISTIC"], budget=budget, engine=engine, log=True, thrash=0
-        )
+    for core in ("c++", "python"):
+        res = sim.simulate(prog, start["HEURISTIC"], budget=budget, core=core, log=True, thrash=0)
         assert res.status == "ok"
         assert res.eviction_log == live_log
         assert (res.evictions, res.remats) == (stats.evictions, stats.remats)

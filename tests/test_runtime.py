@@ -958,7 +958,7 @@ def test_outputs_that_are_views_of_one_fresh_buffer(fast, views_op, core, monkey
     with dtr.enable(stress=True, cost_model="roofline", trace=path) as session:
         fn()
     live = session.stats()
-    for engine in ("c++", "python"):
-        res = sim.simulate(sim.load(path), "dtr", stress=True, engine=engine, thrash=0)
+    for core in ("c++", "python"):
+        res = sim.simulate(sim.load(path), "dtr", stress=True, core=core, thrash=0)
         assert res.status == "ok"
         assert (res.evictions, res.remats) == (live.evictions, live.remats)

@@ -373,7 +373,7 @@ def test_a_native_coo_run_and_its_trace_replayed_evict_alike(tmp_path):
     prog = sim.load(path)
     for core in ("c++", "python"):
         res = sim.simulate(
-            prog, dtr.DEFAULT_HEURISTIC, budget=budget, engine=core, log=True, thrash=0
+            prog, dtr.DEFAULT_HEURISTIC, budget=budget, core=core, log=True, thrash=0
         )
         assert res.status == "ok" and res.eviction_log == live_log
         assert (res.evictions, res.remats) == (stats.evictions, stats.remats)
