@@ -24,7 +24,9 @@ ENV_BUDGET = "DTR_MEMORY_BUDGET"
 ENV_HEURISTIC = "DTR_HEURISTIC"
 ENV_FORCE_PYTHON = "DTR_FORCE_PYTHON"
 ENV_STRESS = "DTR_STRESS"
-ENV_DEBUG = "DTR_DEBUG"
+ENV_CHECK = "DTR_CHECK"
+# The former name of DTR_CHECK, still read (with a DeprecationWarning) when it is unset.
+ENV_CHECK_OLD = "DTR_DEBUG"
 ENV_COST_MODEL = "DTR_COST_MODEL"
 ENV_TRACE = "DTR_TRACE"
 ENV_LOG_STEPS = "DTR_LOG_STEPS"
@@ -260,6 +262,18 @@ def _env_flag(env: Mapping[str, str], name: str) -> bool | None:
     )
 
 
+def _env_check(env: Mapping[str, str]) -> bool | None:
+    """DTR_CHECK, else its former name DTR_DEBUG (with a DeprecationWarning)."""
+    if env.get(ENV_CHECK) is not None or env.get(ENV_CHECK_OLD) is None:
+        return _env_flag(env, ENV_CHECK)
+    warnings.warn(
+        f"dtr: {ENV_CHECK_OLD} is now called {ENV_CHECK} (as the option check=)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return _env_flag(env, ENV_CHECK_OLD)
+
+
 def _env_choice(
     env: Mapping[str, str], name: str, option: str, default: str, valid: tuple[str, ...]
 ) -> str:
@@ -326,7 +340,7 @@ def resolve(
         stress = bool(_env_flag(env, ENV_STRESS))
     check = options.get("check")
     if check is None:
-        check = bool(_env_flag(env, ENV_DEBUG))
+        check = bool(_env_check(env))
     cost_model = options.get("cost_model")
     if cost_model is None:
         cost_model = _env_choice(

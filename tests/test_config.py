@@ -169,6 +169,18 @@ def test_env_flags(monkeypatch):
     assert not resolve(stress=False).stress
 
 
+def test_check_option_and_its_env_variable_share_one_name(monkeypatch):
+    assert not resolve().check
+    monkeypatch.setenv("DTR_CHECK", "1")
+    assert resolve().check and not resolve(check=False).check  # the argument wins
+    monkeypatch.setenv("DTR_DEBUG", "0")  # the former name yields to the new one
+    assert resolve().check
+    monkeypatch.delenv("DTR_CHECK")
+    monkeypatch.setenv("DTR_DEBUG", "1")
+    with pytest.warns(DeprecationWarning, match="DTR_DEBUG is now called DTR_CHECK"):
+        assert dtr.enable().config.check
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
 @pytest.mark.parametrize("how", ["option", "env"])
 def test_measure_allocator_without_cuda_is_a_config_error(monkeypatch, how):

@@ -391,7 +391,7 @@ def enable(
             syntax as a budget, 0 for none; default 1 GiB); ``stress=True`` evicts every
             evictable tensor after every op, a testing mode (default: ``DTR_STRESS``);
             ``check=True`` verifies the core's invariants after every op (default:
-            ``DTR_DEBUG``); ``cost_model`` "roofline" or "time", as dtr.enable's
+            ``DTR_CHECK``); ``cost_model`` "roofline" or "time", as dtr.enable's
             (default: ``DTR_COST_MODEL``, else "roofline"); ``trace`` a path to write an
             operator trace to for dtr.sim, compressed if it ends in ".gz" (default:
             ``DTR_TRACE``); ``timeline=True`` keeps resident bytes per op for
@@ -406,7 +406,7 @@ def enable(
             f"valid: {', '.join(OPTIONS)}"
         )
     # dtr.enable's resolution of the options and of their environment variables
-    # (DTR_STRESS, DTR_DEBUG, DTR_COST_MODEL, DTR_TRACE, ...), but the budget and heuristic
+    # (DTR_STRESS, DTR_CHECK, DTR_COST_MODEL, DTR_TRACE, ...), but the budget and heuristic
     # are taken as given here: DTR_MEMORY_BUDGET and DTR_HEURISTIC are dtr.enable's.
     ignored = (_config.ENV_BUDGET, _config.ENV_HEURISTIC, _config.ENV_ENGINE)
     env = {k: v for k, v in os.environ.items() if k not in ignored}
