@@ -86,7 +86,7 @@ def test_trains_bitwise_as_eager(kind):
     assert got[0] == expect[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
     stats = session.stats()
-    assert stats.ops > 0 and stats.evictions == 0 and stats.core == "native"
+    assert stats.ops > 0 and stats.evictions == 0 and stats.core == "c++"
 
 
 # (each feasible down to 0.5 of its peak, as under dtr.enable(): in-place ReLU and dropout
@@ -1130,7 +1130,7 @@ def test_dtr_enable_selects_the_native_engine(monkeypatch):
         got = _train(*_model("mlp"))
     assert isinstance(session, native.NativeSession) and not session.active
     stats = session.stats()
-    assert stats.core == "native" and stats.budget_bytes == budget and stats.evictions > 0
+    assert stats.core == "c++" and stats.budget_bytes == budget and stats.evictions > 0
     assert got[0] == expect[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
     monkeypatch.setenv("DTR_ENGINE", "native")

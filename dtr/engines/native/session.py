@@ -301,7 +301,7 @@ class NativeSession:
         return self.config.engine
 
     def stats(self) -> Stats:
-        """The same dtr.Stats as a dtr.enable() session's (core: "native")."""
+        """The same dtr.Stats as a dtr.enable() session's (core: "c++", the core it runs)."""
         if self._engine is None:
             raise DTRError(
                 "dtr: this session has not been entered yet; use it in a `with` statement"
@@ -313,7 +313,7 @@ class NativeSession:
         return Stats(
             budget_bytes=None if self.budget < 0 else self.budget,
             heuristic=self.config.heuristic,
-            core="native",
+            core="c++",
             **counters,
         )
 
