@@ -164,9 +164,7 @@ class Session:
                 "dtr: a session can be entered only once; call dtr.enable() again for a new one"
             )
         if open_sessions.native is not None:
-            raise DTRError(
-                "dtr: dtr.engines.native.session.enable() is active; the two engines do not nest"
-            )
+            raise DTRError("dtr: a native engine session is open; the two engines do not nest")
 
     def _abort_entry(self) -> None:
         """Undo what __enter__ made before it stopped (nothing if its checks refused)."""
