@@ -44,8 +44,8 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import dtr
 import dtr.engines.native.session
-import dtr.engines.subclass.recipe
 import dtr.engines.subclass.kernel_peaks
+import dtr.engines.subclass.recipe
 import dtr.engines.subclass.runtime
 from bench.harness import Trajectory, mismatches
 from tests.utils import assert_bitwise

@@ -19,8 +19,8 @@ from ..core import core_class
 from ..core.reference import DEFAULT_HEURISTIC, HEURISTICS, PyCore
 from ..errors import ConfigError
 from . import program
-from .replay import Result, replay
 from .parse import INT64_MAX, UINT64_MAX, TraceError, integer_value, load
+from .replay import Result, replay
 
 __all__ = [
     "DEFAULT_HEURISTIC",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ..core.reference import NEW, VERSION
 from ..core.rebuild import Rebuilder
+from ..core.reference import NEW, VERSION
 from . import program as P
 
 

@@ -13,11 +13,11 @@ import warnings
 
 import torch
 
-from . import rng
-from .tensor_args import substitute
 from ...errors import UnsupportedError
+from . import rng
 from .storage_keys import freed, storage_key
 from .tensor import Node
+from .tensor_args import substitute
 
 # An output spec is (return index, list index) for a tensor the op returned, or
 # (-1, leaf index) for the new version of an argument the op updated in place.

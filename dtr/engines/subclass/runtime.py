@@ -28,12 +28,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ... import cost as _cost
 from ... import data_setter
 from ... import device as _device
-from . import oom, rng
-from . import recipe as _recipe
-from ...core import core_class
-from ...core.reference import NEW, VERSION, VIEW
-from .tensor_args import TensorArgs, rebuild_returns, returns_of, substitute
 from ...config import DTRConfig
+from ...core import core_class
+from ...core.rebuild import Rebuilder
+from ...core.reference import NEW, VERSION, VIEW
 from ...errors import (
     BudgetError,
     DTRError,
@@ -43,13 +41,16 @@ from ...errors import (
     no_autograd_message,
 )
 from ...grads import hand_out
-from .rebuildable_plain import FACTORIES, TRANSPOSES, FreshFactories, FreshTransposes
 from ...leaf_hooks import LeafHooks
-from ...core.rebuild import Rebuilder
-from .recipe import VERSION_SPEC, Rebuilt, Recipe, StandIn, copy_preserving_layout
-from .kernel_peaks import KernelMeter, OutputSizes
 from ...schema import OpFacts, op_facts
 from ...step_log import StepStats, StepTracker
+from ...timeline import Recorder
+from ...units import format_bytes
+from . import oom, rng
+from . import recipe as _recipe
+from .kernel_peaks import KernelMeter, OutputSizes
+from .rebuildable_plain import FACTORIES, TRANSPOSES, FreshFactories, FreshTransposes
+from .recipe import VERSION_SPEC, Rebuilt, Recipe, StandIn, copy_preserving_layout
 from .storage_keys import SPARSE_LAYOUTS, freed, parts, storage_key
 from .tensor import (
     CheckpointTensor,
@@ -61,9 +62,8 @@ from .tensor import (
     own_tensor,
     take_geometry,
 )
-from ...timeline import Recorder
+from .tensor_args import TensorArgs, rebuild_returns, returns_of, substitute
 from .trace import TraceWriter
-from ...units import format_bytes
 from .view_replay import ViewReplay
 from .volatile import Snapshots
 
