@@ -34,7 +34,6 @@ from ...core.rebuild import Rebuilder
 from ...core.reference import NEW, VERSION, VIEW
 from ...errors import (
     BudgetError,
-    DTRError,
     InternalError,
     UnsupportedError,
     budget_advice,
