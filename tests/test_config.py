@@ -285,7 +285,7 @@ def test_extension_built_for_another_torch_is_not_used(monkeypatch):
 
     from dtr import core
 
-    ext = core._load_extension()
+    ext = core.load_extension()
     if ext is None:
         pytest.skip("the C++ core is not built")
     monkeypatch.setattr(ext, "TORCH_VERSION", "1.0.0")
@@ -324,7 +324,7 @@ def test_auto_engine_falls_back_to_the_subclass_engine(monkeypatch, why):
     if why == "python core":
         monkeypatch.setenv("DTR_FORCE_PYTHON", "1")
     elif why == "extension":
-        monkeypatch.setattr(core, "_load_extension", lambda: None)
+        monkeypatch.setattr(core, "load_extension", lambda: None)
     elif why == "key taken":
         monkeypatch.setattr(native_key, "taken", lambda: "kernels are registered at PrivateUse3")
     engine, reason = engines.choose(dtr.config.force_python(), "dtr")

@@ -30,7 +30,7 @@ def _fallback(reason: str) -> None:
         )
 
 
-def _load_extension():
+def load_extension():
     try:
         _C = importlib.import_module("dtr._C")
     except ImportError as exc:
@@ -45,7 +45,7 @@ def _load_extension():
 def core_class(force_python: bool):
     """(class, 'c++' or 'python')."""
     if not force_python:
-        ext = _load_extension()
+        ext = load_extension()
         if ext is not None:
             return ext.Core, "c++"
     return PyCore, "python"

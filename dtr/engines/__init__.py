@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import core
+from .native import key as native_key
+
 ENGINES = ("auto", "native", "subclass")
 RUNNABLE = ("native", "subclass")  # what "auto" resolves to
 # An older name of the subclass engine, still accepted behind a DeprecationWarning.
@@ -35,12 +38,8 @@ def choose(force_python: bool, measure: str) -> tuple[str, str]:
         return "subclass", f"measure={measure!r} reads an accelerator's allocator"
     if _accelerator_available():
         return "subclass", "an accelerator is available (the native engine is CPU only)"
-    from ..core import _load_extension
-
-    if _load_extension() is None:
+    if core.load_extension() is None:
         return "subclass", "dtr's C++ extension (dtr._C) is not built"
-    from .native import key as native_key
-
     taken = native_key.taken()
     if taken is not None:
         return "subclass", f"the native engine's dispatch key is taken: {taken}"
