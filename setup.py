@@ -32,7 +32,7 @@ if os.environ.get("DTR_NO_EXTENSION", "0") != "1":
     ext_modules.append(
         CppExtension(
             name="dtr._C",
-            sources=sorted(glob.glob(os.path.join("csrc", "*.cpp"))),
+            sources=sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True)),
             include_dirs=[os.path.abspath("csrc")],
             extra_compile_args=flags,
         )

@@ -79,7 +79,7 @@ GPU_CHECK_INFO=$(
   cat <<'EOF'
 import os
 import torch
-from dtr._core import core_class
+from dtr.core import core_class
 i = torch.cuda.current_device()
 p = torch.cuda.get_device_properties(i)
 print("torch.cuda.get_device_name():", torch.cuda.get_device_name(i))

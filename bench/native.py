@@ -1,4 +1,4 @@
-"""The native engine (dtr.native) against eager and the subclass engine.
+"""The native engine (dtr.engines.native.session) against eager and the subclass engine.
 
 Trains the bench models at bench scale with Adam, with no budget and at a fraction of
 each engine's own unbudgeted peak, and reports step time relative to eager. Each
@@ -38,7 +38,7 @@ METHODS = ("eager", "dtr", "native", "native-nocache")
 
 _CHILD = r"""
 import contextlib, json, resource, statistics, sys, time
-import torch, dtr, dtr.native
+import torch, dtr, dtr.engines.native.session
 from bench.common import BENCH_SCALE
 from bench.harness import make_optimizer
 from bench.models import MODELS, batches, build
@@ -71,8 +71,8 @@ def train(model, opt, data, context):
 engines = {
     "eager": None,
     "dtr": lambda **kw: dtr.enable(engine="subclass", **kw),
-    "native": dtr.native.enable,
-    "native-nocache": lambda **kw: dtr.native.enable(cache=0, **kw),
+    "native": dtr.engines.native.session.enable,
+    "native-nocache": lambda **kw: dtr.engines.native.session.enable(cache=0, **kw),
 }
 enable = engines[method]
 budget = None

@@ -5,7 +5,7 @@ eager time per op, the subclass engine's (``dtr.enable(engine="subclass")``: a P
 dispatch mode and wrapper subclass with a C++ fast path) with no budget and under a
 budget (a budget is checked at every op boundary; here nothing is evicted, so this is
 the price of the check), its Python path (Runtime.handle, what the C++ fast path stands
-in for), and the native engine (dtr.native, what dtr.enable() runs on a CPU-only
+in for), and the native engine (dtr.engines.native.session, what dtr.enable() runs on a CPU-only
 machine), side by side in one process, medians of several repeats. Then the
 add through each layer of the Python route without dtr's bookkeeping (a no-op dispatch
 mode, a no-op wrapper subclass): the floor of any design that keeps Python dispatch.
@@ -36,8 +36,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtr
-import dtr.native
-import dtr.runtime
+import dtr.engines.native.session
+import dtr.engines.subclass.runtime
 
 from .common import BENCH_SCALE, RESULTS, print_table, write_csv
 from .harness import make_optimizer
@@ -56,13 +56,13 @@ SMALL_OPS = {
 def python_path(on: bool = True):
     """Sessions started inside serve every op through Runtime.handle (dtr's Python
     path) instead of the C++ fast path: the two side by side."""
-    saved = dtr.runtime.FAST_PATH
+    saved = dtr.engines.subclass.runtime.FAST_PATH
     if on:
-        dtr.runtime.FAST_PATH = False
+        dtr.engines.subclass.runtime.FAST_PATH = False
     try:
         yield
     finally:
-        dtr.runtime.FAST_PATH = saved
+        dtr.engines.subclass.runtime.FAST_PATH = saved
 
 
 def _per_op_us(fn, x, w, n: int, repeats: int) -> float:
@@ -99,7 +99,7 @@ def small_ops(n: int, repeats: int) -> list[dict]:
         ):
             with python_path(not fast), dtr.enable(budget=budget, engine="subclass"):
                 timings[label] = _per_op_us(fn, *_inputs(in_place), n, repeats)
-        try:  # the native engine (dtr.native): no Python per op
+        try:  # the native engine (dtr.engines.native.session): no Python per op
             with dtr.enable(engine="native"):
                 timings["native"] = _per_op_us(fn, *_inputs(in_place), n, repeats)
         except NotImplementedError:

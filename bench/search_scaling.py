@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from dtr._core import core_class
-from dtr._pycore import DEFAULT_HEURISTIC, NEW
 from dtr.config import SEARCH_SAMPLE_DEFAULT, resolve
+from dtr.core import core_class
+from dtr.core.reference import DEFAULT_HEURISTIC, NEW
 
 from .common import BENCH_SCALE, RESULTS, print_table, timed_steps, write_csv
 from .models import MODELS

@@ -80,12 +80,12 @@ def prototype_traces(folder: str) -> list[tuple[str, str]]:
     return out
 
 
-def sweep(traces, heuristics, ratios, engine: str) -> list[dict]:
+def sweep(traces, heuristics, ratios, core: str) -> list[dict]:
     rows = []
     for label, path in traces:
         prog = sim.load(path)
         start = time.perf_counter()
-        for row in sim.sweep(prog, heuristics, ratios, progress=True, engine=engine):
+        for row in sim.sweep(prog, heuristics, ratios, progress=True, core=core):
             rows.append(dict(trace=label, **row))
         print(
             f"{label}: {len(heuristics) * len(ratios)} runs of {prog.ops} ops in "
@@ -282,12 +282,12 @@ def print_rule(rows, traces: list[str], heuristics: list[str]) -> list[list]:
 RULE_HEADER = ["group", "trace", "heuristic", "dtr min", "ours min", "lost ratios", "max loss"]
 
 
-def scan_holes(traces, engine: str) -> None:
+def scan_holes(traces, core: str) -> None:
     """Feasibility holes on a fine grid: budgets that fail while a smaller one succeeds
     (reported for DTR in 2026)."""
     fine = tuple(round(1.0 - 0.01 * i, 2) for i in range(96))
     heuristics = ["dtr", "dtr_held", "dtr_held34", "dtr_eq", "msps"]
-    rows = sweep(traces, heuristics, fine, engine)
+    rows = sweep(traces, heuristics, fine, core)
     table = []
     for label, _ in traces:
         for h in heuristics:
@@ -333,7 +333,7 @@ def main(argv=None) -> None:
         "--models", nargs="+", default=["mlp", "cnn", "lstm", "transformer", "tree"]
     )
     parser.add_argument("--heuristics", nargs="+", default=list(dtr.HEURISTICS))
-    parser.add_argument("--engine", default="c++", choices=["c++", "python"])
+    parser.add_argument("--core", default="c++", choices=["c++", "python"])
     parser.add_argument("--out", default=os.path.join(RESULTS, "sim.csv"))
     parser.add_argument(
         "--holes",
@@ -343,7 +343,7 @@ def main(argv=None) -> None:
     )
     args = parser.parse_args(argv)
     if args.holes:
-        scan_holes(prototype_traces(args.traces), args.engine)
+        scan_holes(prototype_traces(args.traces), args.core)
         return
     traces = prototype_traces(args.traces)
     if not traces:
@@ -354,7 +354,7 @@ def main(argv=None) -> None:
     if not traces:
         parser.error(f"nothing to simulate: no prototype traces in {args.traces}, and --no-record")
     start = time.perf_counter()
-    rows = sweep(traces, args.heuristics, RATIOS, args.engine)
+    rows = sweep(traces, args.heuristics, RATIOS, args.core)
     seconds = time.perf_counter() - start
     write_csv(args.out, HEADER, [[r[h] for h in HEADER] for r in rows])
     plots = os.path.join(os.path.dirname(args.out), "sim")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import dtr
-from dtr.storage_keys import parts
+from dtr.engines.subclass.storage_keys import parts
 
 from .common import RESULTS, mib, print_table, step_peak_bytes, write_csv
 

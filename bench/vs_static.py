@@ -113,7 +113,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import dtr
-import dtr.native
+import dtr.engines.native.session
 from dtr.plot import step_time_vs_memory
 
 from .common import (

@@ -1,20 +1,20 @@
-// Python bindings of the core: dtr._C.Core, with the same interface as dtr._pycore.PyCore.
+// Python bindings of the core: dtr._C.Core, with the same interface as dtr.core.reference.PyCore.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "core.h"
+#include "core/core.h"
 #include "cpu_cache.h"
 #include "device_memory.h"
-#include "fastpath.h"
-#include "native.h"
-#include "replay.h"
-#include "roofline.h"
+#include "subclass/fastpath.h"
+#include "native/engine.h"
+#include "core/replay.h"
+#include "core/roofline.h"
 
 namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "dtr C++ bookkeeping core (see dtr/_pycore.py for the reference twin)";
+  m.doc() = "dtr C++ bookkeeping core (see dtr/core/reference.py for the reference twin)";
   m.attr("NEW") = static_cast<int64_t>(dtr::kNew);
   m.attr("VIEW") = static_cast<int64_t>(dtr::kView);
   m.attr("VERSION") = static_cast<int64_t>(dtr::kVersion);

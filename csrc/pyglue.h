@@ -1,6 +1,6 @@
 // Small CPython and pybind11 helpers shared by the fast path's files (fastpath.cpp,
 // fastpath_remat.cpp): attribute access and calls without pybind11's overhead, and the
-// walk over a call's tensor arguments that dtr/call.py makes in Python.
+// walk over a call's tensor arguments that dtr/engines/subclass/tensor_args.py makes in Python.
 #pragma once
 
 #include <torch/csrc/autograd/python_variable.h>
@@ -75,7 +75,7 @@ inline py::object dict_pop(PyObject* dict, PyObject* key) {
 
 inline bool is_seq(PyObject* a) { return PyList_CheckExact(a) || PyTuple_CheckExact(a); }
 
-// Call.__init__'s walk (dtr/call.py): tensors directly in args/kwargs, or one level
+// TensorArgs.__init__'s walk (dtr/engines/subclass/tensor_args.py): tensors directly in args/kwargs, or one level
 // down in a list or tuple, in that order.
 template <class F>
 inline void walk(PyObject* args, PyObject* kwargs, F&& visit) {
@@ -130,7 +130,7 @@ inline PyObject* substitute_item(PyObject* a, const std::vector<PyObject*>& vals
   return a;
 }
 
-// dtr/call.py's substitute: (args, kwargs) with leaf k replaced by vals[k].
+// dtr/engines/subclass/tensor_args.py's substitute: (args, kwargs) with leaf k replaced by vals[k].
 inline std::pair<py::object, py::object> substitute(PyObject* args, PyObject* kwargs,
                                                     const std::vector<PyObject*>& vals) {
   size_t k = 0;

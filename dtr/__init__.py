@@ -10,12 +10,12 @@ recomputes it from its lineage when it is needed again, backward included.
     print(session.stats())
 """
 
-from ._pycore import DEFAULT_HEURISTIC, HEURISTICS
 from .config import DTRConfig
+from .core.reference import DEFAULT_HEURISTIC, HEURISTICS
+from .engines.subclass.tensor import CheckpointTensor
 from .errors import BudgetError, ConfigError, DTRError, InternalError, UnsupportedError
 from .session import Session, enable, materialize
 from .stats import Stats
-from .tensor import CheckpointTensor
 
 __version__ = "0.1.0"
 

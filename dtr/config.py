@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from . import device as _device
 from . import engines as _engines
-from ._pycore import DEFAULT_HEURISTIC, HEURISTICS
+from .core.reference import DEFAULT_HEURISTIC, HEURISTICS
 from .cost import COST_MODELS, DEFAULT_COST_MODEL
 from .errors import ConfigError
 from .units import ACCEPTED, MAX_BYTES, parse_bytes
@@ -24,7 +24,9 @@ ENV_BUDGET = "DTR_MEMORY_BUDGET"
 ENV_HEURISTIC = "DTR_HEURISTIC"
 ENV_FORCE_PYTHON = "DTR_FORCE_PYTHON"
 ENV_STRESS = "DTR_STRESS"
-ENV_DEBUG = "DTR_DEBUG"
+ENV_CHECK = "DTR_CHECK"
+# The former name of DTR_CHECK, still read (with a DeprecationWarning) when it is unset.
+ENV_CHECK_OLD = "DTR_DEBUG"
 ENV_COST_MODEL = "DTR_COST_MODEL"
 ENV_TRACE = "DTR_TRACE"
 ENV_LOG_STEPS = "DTR_LOG_STEPS"
@@ -32,10 +34,10 @@ ENV_ENGINE = "DTR_ENGINE"
 ENV_MEASURE = "DTR_MEASURE"
 ENV_THRASH = "DTR_THRASH"
 
-# "auto" (the default: the native engine unless the machine has an accelerator, ...);
-# "native": managed tensors as a C++ TensorImpl, every op through one C++ fallback (CPU
-# only; dtr.native); "subclass": a Python wrapper subclass and dispatch mode with a C++
-# fast path, on any device. dtr/engines.py has the rule.
+# "auto" (the default: the native engine unless the machine has an accelerator, ...); "native":
+# managed tensors as a C++ TensorImpl, every op through one C++ fallback (CPU only;
+# dtr.engines.native.session); "subclass": a Python wrapper subclass and dispatch mode with a C++
+# fast path, on any device. dtr/engines/__init__.py has the rule.
 ENGINES = _engines.ENGINES
 
 # What the budget is held to: "dtr", dtr's own count of the bytes it manages (the values
@@ -74,18 +76,18 @@ class DTRConfig:
         force_python: use the pure-Python core even when the C++ one is built.
         cost_model: "roofline" (deterministic estimate, the default) or "time" (measured
             wall time, which makes eviction decisions differ from run to run).
-        trace: path of an operator trace to write (see dtr.trace), or None.
+        trace: path of an operator trace to write (see dtr.engines.subclass.trace), or None.
         timeline: how many op boundaries to keep in session.timeline() (the newest);
             0 records none.
         log_steps: log a one-line summary per optimizer step to the "dtr" logger.
         engine: the engine that runs the session, "native" or "subclass" (dtr.enable()
-            resolves "auto" to one of them; see dtr/engines.py).
+            resolves "auto" to one of them; see dtr/engines/__init__.py).
         measure: "dtr" or "allocator" (see MEASURES).
         thrash: the thrash stop: a step whose recomputations pass (thrash - 1) x its
             ops raises BudgetError (THRASH_DEFAULT); 0 never stops.
         cache_bytes: the idle bytes the native engine's CPU allocation cache may keep
-            (0: none), or None for its default (dtr.native.DEFAULT_CACHE). The native
-            engine's own option: the subclass engine runs on PyTorch's allocator.
+            (0: none), or None for its default (dtr.engines.native.session.DEFAULT_CACHE). The
+            native engine's own option: the subclass engine runs on PyTorch's allocator.
     """
 
     budget_bytes: int | None = None
@@ -260,6 +262,18 @@ def _env_flag(env: Mapping[str, str], name: str) -> bool | None:
     )
 
 
+def _env_check(env: Mapping[str, str]) -> bool | None:
+    """DTR_CHECK, else its former name DTR_DEBUG (with a DeprecationWarning)."""
+    if env.get(ENV_CHECK) is not None or env.get(ENV_CHECK_OLD) is None:
+        return _env_flag(env, ENV_CHECK)
+    warnings.warn(
+        f"dtr: {ENV_CHECK_OLD} is now called {ENV_CHECK} (as the option check=)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return _env_flag(env, ENV_CHECK_OLD)
+
+
 def _env_choice(
     env: Mapping[str, str], name: str, option: str, default: str, valid: tuple[str, ...]
 ) -> str:
@@ -273,7 +287,7 @@ def _env_choice(
 
 def _engine(engine, env: Mapping[str, str], python_core: bool, measure: str) -> str:
     """The engine that runs the session, "native" or "subclass": from the option, else
-    DTR_ENGINE, else "auto", which dtr/engines.py resolves."""
+    DTR_ENGINE, else "auto", which dtr/engines/__init__.py resolves."""
     names = (*ENGINES, *_engines.OLD_NAMES)
     if engine is None:
         engine = _env_choice(env, ENV_ENGINE, "engine", "auto", names)
@@ -326,7 +340,7 @@ def resolve(
         stress = bool(_env_flag(env, ENV_STRESS))
     check = options.get("check")
     if check is None:
-        check = bool(_env_flag(env, ENV_DEBUG))
+        check = bool(_env_check(env))
     cost_model = options.get("cost_model")
     if cost_model is None:
         cost_model = _env_choice(

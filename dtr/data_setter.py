@@ -13,7 +13,7 @@ PyTorch's descriptor put back at exit) whose setter:
 * on a managed tensor, is refused: its value would change behind the engine's back.
 
 The getter is PyTorch's. Swaps made from C++ are not seen here; a recipe that reads a
-plain tensor refuses to replay after one (dtr/recipe.py, replaced_error).
+plain tensor refuses to replay after one (dtr/engines/subclass/recipe.py, replaced_error).
 """
 
 from __future__ import annotations

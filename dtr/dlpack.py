@@ -22,14 +22,13 @@ import torch
 import torch.utils.dlpack
 
 from . import plain_exports
+from .engines.subclass.tensor import CheckpointTensor, _plain
 
 _lock = threading.Lock()
 _original = None
 
 
 def to_dlpack(tensor: torch.Tensor):
-    from .tensor import CheckpointTensor, _plain
-
     if isinstance(tensor, CheckpointTensor):
         # The capsule holds the plain value, which the export pins in the core.
         tensor = _plain(tensor, export=True)

@@ -6,6 +6,8 @@ import threading
 
 import torch
 
+from .units import format_bytes
+
 _last = threading.local()
 
 
@@ -88,8 +90,6 @@ def budget_advice(budget: int, constants: int, what: str, requested: int) -> str
     and inputs, never evictable) take, what the op that did not fit needed, and advice
     that can help: below the constants no budget works, and a smaller batch would not
     shrink the parameters."""
-    from .units import format_bytes
-
     facts = (
         f" The parameters and inputs (constants) take {format_bytes(constants)}; {what} "
         f"needed {format_bytes(requested)}."

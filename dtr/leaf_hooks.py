@@ -48,7 +48,7 @@ class LeafHooks:
         return len(self._handles)
 
     def hooked(self, leaf: torch.Tensor) -> bool:
-        """Whether leaf has its hook (csrc/fastpath.cpp, FastPath::hook_leaf, asks the
+        """Whether leaf has its hook (csrc/subclass/fastpath.cpp, FastPath::hook_leaf, asks the
         same of the dict this returns from handles())."""
         handle = self._handles.get(leaf._cdata)
         if handle is None:

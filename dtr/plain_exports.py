@@ -3,7 +3,7 @@
 ``p.detach().numpy()`` and ``torch.from_dlpack(p.detach())`` (``__dlpack__``) of a plain
 tensor (a parameter made before the block, an input) give the program a handle through
 which it can write the memory with no op dtr sees. Such an export counts as a write of unknown content at that moment
-and at any time after, as an export of a managed value does (dtr/volatile.py): what
+and at any time after, as an export of a managed value does (dtr/engines/subclass/volatile.py): what
 recipes read of the memory so far is materialized and pinned, as before an op writes a
 plain tensor (Invariant 4), and every later recipe that reads the storage reads a
 snapshot of it, as it reads NumPy-backed memory. A recomputation then never reads what
@@ -56,7 +56,7 @@ def _always(original):
 
 def install() -> None:
     """Replace the methods (once per process; later calls do nothing). Called before
-    dtr/native_reads.py's replacements are installed, which wrap these."""
+    dtr/engines/native/undispatched_reads.py's replacements are installed, which wrap these."""
     global _installed
     with _lock:
         if _installed:

@@ -183,7 +183,7 @@ def _compute(func) -> OpFacts:
         seeded=seeded,
         # aten's and prims' random ops all carry the tag; an op of another namespace
         # (torch.library, TORCH_LIBRARY) need not, though its kernel may draw
-        # (csrc/native.cpp's may_draw)
+        # (csrc/native/engine.cpp's may_draw)
         may_draw=not seeded and namespace not in _TAGGED_NAMESPACES | COLLECTIVE_NAMESPACES,
         generator=generator,
         metadata_inplace=schema.name in _METADATA_INPLACE,
@@ -212,7 +212,7 @@ def lacks_autograd(name: str) -> bool:
     and lets the ops its kernel calls record their own gradients; dtr runs the op as one,
     below autograd, and those gradients would be lost: the engines refuse it when an
     input requires grad (errors.no_autograd_message). The native engine asks this too
-    (csrc/native.cpp), once per op overload."""
+    (csrc/native/engine.cpp), once per op overload."""
     if name.split("::")[0] in _TAGGED_NAMESPACES | COLLECTIVE_NAMESPACES | _OWN_NAMESPACES:
         return False
     has = torch._C._dispatch_has_kernel_for_dispatch_key

@@ -37,7 +37,8 @@ class Stats(Loggable):
         pinned_bytes: resident bytes that cannot be evicted (constants, and tensors whose
             lineage was cut by an in-place update).
         constant_bytes: bytes of plain tensors the managed ops read (parameters, inputs).
-        core: "c++" or "python".
+        core: the bookkeeping core that decided, "c++" or "python" (the native engine
+            runs the C++ one).
         oom_retries: ops rerun after the allocator ran out of memory and dtr evicted.
         search_seconds: time spent choosing eviction victims.
         unmanaged_bytes: with measure="allocator", what the device's allocator had

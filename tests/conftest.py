@@ -14,7 +14,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from dtr._core import core_class  # noqa: E402
+from dtr.core import core_class  # noqa: E402
 
 # One intra-op thread: these tests run small ops, and on a shared 2-core machine
 # OpenMP's spinning threads starve each other (a stress run measured 113 s instead of
@@ -81,18 +81,18 @@ def _clean_env(monkeypatch):
 @pytest.fixture
 def logged(monkeypatch):
     """Keeps the eviction log of every live session's core (the subclass engine's)."""
-    import dtr.runtime
+    import dtr.engines.subclass.runtime
 
     monkeypatch.setenv("DTR_ENGINE", "subclass")
     cores = []
-    init = dtr.runtime.Runtime.__init__
+    init = dtr.engines.subclass.runtime.Runtime.__init__
 
     def patched(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.core.log_evictions(True)
         cores.append(self.core)
 
-    monkeypatch.setattr(dtr.runtime.Runtime, "__init__", patched)
+    monkeypatch.setattr(dtr.engines.subclass.runtime.Runtime, "__init__", patched)
     return cores
 
 

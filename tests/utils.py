@@ -132,10 +132,10 @@ def assert_bitwise(actual, expected, what: str = "value") -> None:
 
 
 def _native_managed(t: torch.Tensor) -> bool:
-    import dtr.native
+    import dtr.engines.native.session
 
     try:
-        return dtr.native.is_managed(t)
+        return dtr.engines.native.session.is_managed(t)
     except ImportError:  # no C++ extension: no native engine
         return False
 

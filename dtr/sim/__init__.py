@@ -15,12 +15,12 @@ import numbers
 import os
 import time
 
-from .._core import core_class
-from .._pycore import DEFAULT_HEURISTIC, HEURISTICS, PyCore
+from ..core import core_class
+from ..core.reference import DEFAULT_HEURISTIC, HEURISTICS, PyCore
 from ..errors import ConfigError
 from . import program
-from .driver import Result, replay
 from .parse import INT64_MAX, UINT64_MAX, TraceError, integer_value, load
+from .replay import Result, replay
 
 __all__ = [
     "DEFAULT_HEURISTIC",
@@ -53,17 +53,17 @@ PROTOTYPE_DIR = os.path.normpath(
 
 
 def _make_core(
-    heuristic: str, budget: int, seed: int, engine: str, sample: int = 0, min_evict: int = 0
+    heuristic: str, budget: int, seed: int, core: str, sample: int = 0, min_evict: int = 0
 ):
     if heuristic not in HEURISTICS:
         raise ConfigError(f"dtr: unknown heuristic {heuristic!r}; valid: {', '.join(HEURISTICS)}")
-    if engine == "python":
-        core = PyCore(heuristic, budget, seed, min_evict)
+    if core == "python":
+        made = PyCore(heuristic, budget, seed, min_evict)
     else:
-        cls, kind = core_class(False)
-        core = cls(heuristic, budget, seed, min_evict)
-    core.search_sample = sample
-    return core
+        cls, _ = core_class(False)
+        made = cls(heuristic, budget, seed, min_evict)
+    made.search_sample = sample
+    return made
 
 
 def check_ratio(ratio) -> float:
@@ -98,12 +98,12 @@ def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def peak(prog: program.Program, engine: str = "c++") -> int:
+def peak(prog: program.Program, core: str = "c++") -> int:
     """Peak resident bytes of an unconstrained replay (what budget ratios are relative to)."""
     if prog.peak_bytes is None:
         # with no budget at all, even where the live run set one (session.set_budget())
         free = prog.with_fixed_budget()
-        prog.peak_bytes = simulate(free, "dtr", budget=-1, engine=engine).peak_bytes
+        prog.peak_bytes = simulate(free, "dtr", budget=-1, core=core).peak_bytes
     return prog.peak_bytes
 
 
@@ -115,14 +115,14 @@ def simulate(
     stress: bool = False,
     thrash: float = 2.0,
     seed: int | None = None,
-    engine: str = "c++",
+    core: str = "c++",
     log: bool = False,
     sample: int | None = None,
     min_evict_bytes: int | None = None,
 ) -> Result:
     """Replay prog under heuristic (None: the one the live run recorded, or
     dtr.DEFAULT_HEURISTIC for the prototype's traces) with a budget in bytes, or ratio x
-    the unconstrained peak (budget=-1 or neither: unlimited). engine: "c++" (the
+    the unconstrained peak (budget=-1 or neither: unlimited). core: "c++" (the
     compiled replay loop driving the C++ core), "python" (the Python driver on the
     pure-Python core) or "python+c++core" (the Python driver on the C++ core). sample:
     the runtime's search_sample option (the best of `sample` random candidates when
@@ -142,25 +142,25 @@ def simulate(
     if ratio is not None:
         if budget is not None:
             raise ConfigError("dtr: give a budget or a ratio, not both")
-        budget = _ratio_budget(prog, check_ratio(ratio), engine)
+        budget = _ratio_budget(prog, check_ratio(ratio), core)
     budget = check_int("budget", -1 if budget is None else budget, low=-1)
-    core = _make_core(
-        heuristic, budget, seed, "python" if engine == "python" else "c++", sample, min_evict_bytes
+    bookkeeping = _make_core(
+        heuristic, budget, seed, "python" if core == "python" else "c++", sample, min_evict_bytes
     )
     # The prototype's traces replay on the paper's staleness clock (docs/design.md, "Two
     # replay semantics"); ours on the live runtime's, so a replay decides as the run did.
-    core.request_stamps = prog.mode == program.PROTOTYPE
+    bookkeeping.request_stamps = prog.mode == program.PROTOTYPE
     if prog.budget_at and str(budget) != prog.meta.get("BUDGET"):
         # The live run changed its budget (session.set_budget()); a replay at the run's
         # own budget follows it, one at another budget keeps that one throughout.
         prog = prog.with_fixed_budget()
-    if engine == "c++" and hasattr(type(core), "replay"):
-        return _cpp_replay(prog, core, stress, thrash, log)
-    return replay(prog, core, stress, thrash, log)
+    if core == "c++" and hasattr(type(bookkeeping), "replay"):
+        return _cpp_replay(prog, bookkeeping, stress, thrash, log)
+    return replay(prog, bookkeeping, stress, thrash, log)
 
 
-def _ratio_budget(prog: program.Program, ratio: float, engine: str) -> int:
-    top = peak(prog, "python" if engine == "python" else "c++")
+def _ratio_budget(prog: program.Program, ratio: float, core: str) -> int:
+    top = peak(prog, "python" if core == "python" else "c++")
     budget = int(top * ratio)
     if budget > INT64_MAX:
         raise ConfigError(

@@ -120,7 +120,13 @@ def main(argv=None) -> int:
         default=2.0,
         help="stop when total compute exceeds this x the baseline (0: never)",
     )
-    parser.add_argument("--engine", choices=["c++", "python", "python+c++core"], default="c++")
+    parser.add_argument(
+        "--core",
+        choices=["c++", "python", "python+c++core"],
+        default="c++",
+        help="c++: the compiled replay loop on the C++ core; python: the Python replay on "
+        "the pure-Python core; python+c++core: the Python replay on the C++ core",
+    )
     parser.add_argument(
         "--sample",
         type=_argument(lambda n: check_int("sample", n), int),
@@ -134,7 +140,7 @@ def main(argv=None) -> int:
         mode = {"auto": None, "prototype": program.PROTOTYPE, "live": program.LIVE}[args.mode]
         prog = load(path, mode)
         common = dict(
-            stress=args.stress, thrash=args.thrash, engine=args.engine, sample=args.sample
+            stress=args.stress, thrash=args.thrash, core=args.core, sample=args.sample
         )
         if args.sweep:
             for heuristic in HEURISTICS:

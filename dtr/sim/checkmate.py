@@ -54,7 +54,7 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from .._pycore import NEW, VERSION, VIEW
+from ..core.reference import NEW, VERSION, VIEW
 from ..errors import DTRError
 from . import program as P
 from .parse import TraceError

@@ -10,9 +10,9 @@ workspaces are left out (traces do not record them).
 
 from __future__ import annotations
 
-from .._pycore import NEW, PyCore
+from ..core.reference import NEW, PyCore
 from . import program as P
-from .driver import Replay
+from .replay import Replay
 
 
 class _FloorReplay(Replay):

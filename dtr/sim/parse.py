@@ -1,5 +1,5 @@
 """Reads an operator trace (ours or the DTR prototype's, gzip or plain) into a Program.
-The format is described in ``dtr/trace.py``."""
+The format is described in ``dtr/engines/subclass/trace.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from .._pycore import HEURISTICS, NEW, VERSION, VIEW
+from ..core.reference import HEURISTICS, NEW, VERSION, VIEW
 from ..errors import DTRError
 from . import program as P
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dtr
-import dtr.native
+import dtr.engines.native.session
 import dtr.sim as sim
 
 N = 32
@@ -89,7 +89,7 @@ def _check(engine, options, program, *args, trace=None):
     if trace is not None:
         prog = sim.load(trace)
         for replay in ("c++", "python"):
-            res = sim.simulate(prog, None, engine=replay, thrash=0, **options)
+            res = sim.simulate(prog, None, core=replay, thrash=0, **options)
             assert res.status == "ok"
             assert (res.evictions, res.remats) == (stats.evictions, stats.remats)
 
@@ -286,7 +286,7 @@ def test_a_gradient_sharing_memory_with_a_live_tensor_is_handed_out_as_a_copy(en
         w = step()
         pinned = session.stats().pinned_bytes
         grad = w.grad
-        assert type(grad) is torch.Tensor and not dtr.native.is_managed(grad)
+        assert type(grad) is torch.Tensor and not dtr.engines.native.session.is_managed(grad)
         assert torch.equal(grad, want)
         grad.zero_()  # a copy: the buffer keeps the gradient it held
         kept = dtr.materialize(_GradFromAStash.stash[0])
@@ -323,7 +323,7 @@ def test_a_parameter_read_only_by_a_custom_functions_forward_gets_a_plain_grad(e
             h = _Scale.apply(x if first_layer else x.exp(), w)
             (h.tanh() * 0.5).sum().backward()
             grads.append(w.grad.clone())
-            assert type(w.grad) is torch.Tensor and not dtr.native.is_managed(w.grad)
+            assert type(w.grad) is torch.Tensor and not dtr.engines.native.session.is_managed(w.grad)
             opt.step()
             opt.zero_grad(set_to_none=False)
         return w.detach().clone(), grads

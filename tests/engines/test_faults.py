@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dtr
-from dtr import runtime as dtr_runtime
+from dtr.engines.subclass import runtime as dtr_runtime
 from tests.conftest import HAVE_CPP
 from tests.utils import assert_bitwise, eager_chain_grad
 
@@ -111,7 +111,7 @@ def test_empty_env_budget_means_unset(monkeypatch):
     assert dtr.enable().config.budget_bytes is None
 
 
-@pytest.mark.parametrize("name", ["DTR_STRESS", "DTR_DEBUG", "DTR_FORCE_PYTHON"])
+@pytest.mark.parametrize("name", ["DTR_STRESS", "DTR_CHECK", "DTR_FORCE_PYTHON"])
 @pytest.mark.parametrize("value", ["maybe", "2", "True!"])
 def test_bad_env_flags_name_variable_value_and_accepted(monkeypatch, name, value):
     monkeypatch.setenv(name, value)

@@ -110,8 +110,8 @@ def _live(kinds: tuple[type, ...]) -> Counter:
 def test_carried_value_keeps_no_python_objects(subclass_engine):
     # Without a budget too: the subclass engine mirrors the core's lineage in Python
     # (nodes, recipes, values), which would grow with the running mean's lineage.
-    from dtr.recipe import Recipe
-    from dtr.tensor import Node
+    from dtr.engines.subclass.recipe import Recipe
+    from dtr.engines.subclass.tensor import Node
 
     kinds = (Node, Recipe, torch.Tensor)
     model = _mlp()

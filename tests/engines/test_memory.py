@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import dtr
 import dtr.device
-import dtr.reserve
+import dtr.engines.subclass.kernel_peaks
 from bench.models import MODELS, batches, build
 from tests.utils import profiled_bytes, train, unbudgeted_peak
 
@@ -210,12 +210,11 @@ def test_each_heuristic_trains_the_cnn_at_half(heuristic, core):
 
 @pytest.mark.parametrize("name", ["lstm", "mlp", "transformer"])
 def test_room_is_made_before_an_op_that_was_seen(name, core, monkeypatch):
-    # An op's fresh outputs exist before the boundary that evicts for them; from the
-    # second step on, dtr knows their size (dtr/reserve.py) and evicts first, so the
-    # transient count stays within 5% of the budget (ops that read no managed value,
-    # such as a dropout mask's rand_like, reserve nothing). The LSTM's layer op returns a
-    # large workspace: without the reservation its steps overshoot a 30% budget by more
-    # than half of it (checked below).
+    # An op's fresh outputs exist before the boundary that evicts for them; from the second step on,
+    # dtr knows their size (dtr/engines/subclass/kernel_peaks.py) and evicts first, so the transient
+    # count stays within 5% of the budget (ops that read no managed value, such as a dropout mask's
+    # rand_like, reserve nothing). The LSTM's layer op returns a large workspace: without the
+    # reservation its steps overshoot a 30% budget by more than half of it (checked below).
     peak = unbudgeted_peak(name)
     budget = int(peak * 0.3)
 
@@ -231,7 +230,11 @@ def test_room_is_made_before_an_op_that_was_seen(name, core, monkeypatch):
 
     later = [s.max_transient_bytes for s in steps()[1:]]
     assert max(later) <= budget * 1.05, (later, budget)
-    monkeypatch.setattr(dtr.reserve.OutputSizes, "predict", lambda self, func, leaves: ((func,), 0))
+    monkeypatch.setattr(
+        dtr.engines.subclass.kernel_peaks.OutputSizes,
+        "predict",
+        lambda self, func, leaves: ((func,), 0),
+    )
     try:
         without = [s.max_transient_bytes for s in steps()[1:]]
     except dtr.BudgetError:

@@ -6,7 +6,7 @@ torch.profiler(record_shapes=True) reads the data pointer of every tensor input 
 op starts; an evicted value's storage refuses that read (the guard against reading freed
 memory directly), which the profiler reported as an error per op and then failed its
 own end callbacks. dtr lets the profiler read it as null while keeping the guard for
-everyone else (csrc/native.cpp, "torch.profiler").
+everyone else (csrc/native/engine.cpp, "torch.profiler").
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """A budget is held in real memory: what the allocator hands out during a training step
 under a budget, metered independently by torch.profiler, stays within it.
 
-dtr's own count covers the values it manages and the constants their ops read; a
-kernel's own buffers (convolution_backward's workspace, larger than its outputs) are
-allocated on top of it. The engines learn what each op had in use at most, per op and
-input shapes, and make room for that before the next such call, and a recomputation
-makes room for what its op had in use when it first ran (dtr/reserve.py). The first step
-of a run meets every op for the first time, so it is a later step that is metered here.
+dtr's own count covers the values it manages and the constants their ops read; a kernel's own
+buffers (convolution_backward's workspace, larger than its outputs) are allocated on top of it. The
+engines learn what each op had in use at most, per op and input shapes, and make room for that
+before the next such call, and a recomputation makes room for what its op had in use when it first
+ran (dtr/engines/subclass/kernel_peaks.py). The first step of a run meets every op for the first
+time, so it is a later step that is metered here.
 """
 
 from __future__ import annotations

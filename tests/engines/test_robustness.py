@@ -16,7 +16,9 @@ import torch
 from torch.utils import _python_dispatch
 
 import dtr
-from dtr import native, native_key, session
+from dtr import session
+from dtr.engines.native import key as native_key
+from dtr.engines.native import session as native_session
 
 
 def _chain(x: torch.Tensor) -> list[torch.Tensor]:
@@ -37,12 +39,16 @@ def _eager_chain() -> list[torch.Tensor]:
 def _entry_files(engine: str) -> set[str]:
     """The source files whose every line an interrupt may land before, while a session
     of `engine` is entered."""
-    from dtr import direct_reads, dlpack, native_reads, runtime
+    from dtr import dlpack
+    from dtr.engines.native import undispatched_reads as native_reads
+    from dtr.engines.subclass import runtime
+    from dtr.engines.subclass import session as subclass_session
+    from dtr.engines.subclass import undispatched_reads as subclass_reads
 
     if engine == "native":
-        modules = (native, native_reads, dlpack)
+        modules = (native_session, native_reads, dlpack)
     else:
-        modules = (session, runtime, direct_reads, dlpack, _python_dispatch)
+        modules = (subclass_session, runtime, subclass_reads, dlpack, _python_dispatch)
     return {m.__file__ for m in modules}
 
 

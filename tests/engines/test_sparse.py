@@ -1,11 +1,10 @@
 """Sparse tensors next to managed ones, on both engines, against eager.
 
-dtr manages no sparse tensor's parts; a plain sparse tensor a managed op reads (a graph
-network's adjacency in `torch.sparse.mm(adj, h)` or `adj @ h`) is a constant of the op's
-recipe, so the op's output is evicted and recomputed like any other
-(dtr/storage_keys.py). Sparse results stay plain: an embedding's sparse gradient, whose
-values are a managed tensor's memory, pins that tensor on the native engine. SparseAdam's sparse update to a parameter is a write dtr must
-see.
+dtr manages no sparse tensor's parts; a plain sparse tensor a managed op reads (a graph network's
+adjacency in `torch.sparse.mm(adj, h)` or `adj @ h`) is a constant of the op's recipe, so the op's
+output is evicted and recomputed like any other (dtr/engines/subclass/storage_keys.py). Sparse
+results stay plain: an embedding's sparse gradient, whose values are a managed tensor's memory, pins
+that tensor on the native engine. SparseAdam's sparse update to a parameter is a write dtr must see.
 """
 
 from __future__ import annotations
@@ -93,12 +92,11 @@ def _embedding_bag_of_words():
     return program
 
 
-# each program, and the fraction of its unbudgeted peak it is run at. The COO network
-# trains under a budget on both engines, which take autograd's adj.t() again from adj
-# rather than hold a copy per backward product, and read a managed zeros in
-# torch.sparse.mm rather than hold the plain one (dtr/fresh.py); holding those (plain
-# tensors the recipes read as constants, pinned), every fraction of its peak down to 0.9
-# was infeasible.
+# each program, and the fraction of its unbudgeted peak it is run at. The COO network trains under a
+# budget on both engines, which take autograd's adj.t() again from adj rather than hold a copy per
+# backward product, and read a managed zeros in torch.sparse.mm rather than hold the plain one
+# (dtr/engines/subclass/rebuildable_plain.py); holding those (plain tensors the recipes read as
+# constants, pinned), every fraction of its peak down to 0.9 was infeasible.
 PROGRAMS = {
     "gcn_coo": (lambda: _gcn(torch.sparse_coo), 0.7),
     "gcn_csr": (lambda: _gcn(torch.sparse_csr), 0.7),
@@ -199,7 +197,7 @@ def test_a_product_of_plain_tensors_autograd_needs_is_managed(engine):
         if engine == "subclass":
             managed = isinstance(h, dtr.CheckpointTensor)
         else:
-            managed = dtr.native.is_managed(h)
+            managed = dtr.engines.native.session.is_managed(h)
         got = program()
         got.backward()
         got = dtr.materialize(got)
@@ -235,7 +233,7 @@ def test_torch_sparse_mm_holds_no_zeros_tensor_per_product(setup, monkeypatch):
     # each product reads a zeros tensor of its size. Held as a constant, that was one
     # product-sized tensor per layer from forward to backward (1.76x eager's memory for
     # bench/sparse_gcn.py's COO network with no budget); both engines now read a managed
-    # zeros instead (dtr/fresh.py), rebuilt at no cost.
+    # zeros instead (dtr/engines/subclass/rebuildable_plain.py), rebuilt at no cost.
     engine = _engine(setup, monkeypatch)
     adj = _adjacency(400, torch.sparse_coo)
     torch.manual_seed(0)
@@ -255,16 +253,16 @@ def test_torch_sparse_mm_holds_no_zeros_tensor_per_product(setup, monkeypatch):
 @pytest.mark.parametrize("written_before", [False, True], ids=["as_made", "written_before"])
 @pytest.mark.parametrize("setup", SETUPS)
 def test_coo_backward_holds_no_transpose_per_product(setup, written_before, monkeypatch):
-    # torch.sparse.mm's backward is mm(adj.t(), grad), and a COO adj.t() copies adj's
-    # indices and values. Each product's recipe held its copy as a constant for the rest
-    # of backward (here 5 copies by the first layer's gradient: 1.07 MB against 0.24 MB,
-    # and no budget below the peak could be met); it now takes adj.t() again from adj
-    # when it replays (dtr/fresh.py), so backward holds what forward held.
-    # written_before: adj.t() is a copy that autograd treats as a view, so it takes
-    # adj's version counter after the op, and a version read as the op returns (0, its
-    # own) is not the one a later read sees (adj's, 1 here). The native engine reads it
-    # when the next op comes; the subclass engine accepts the source's counter once the
-    # copy is its view (otherwise it would hold one transpose per backward product here).
+    # torch.sparse.mm's backward is mm(adj.t(), grad), and a COO adj.t() copies adj's indices and
+    # values. Each product's recipe held its copy as a constant for the rest of backward (here 5
+    # copies by the first layer's gradient: 1.07 MB against 0.24 MB, and no budget below the peak
+    # could be met); it now takes adj.t() again from adj when it replays
+    # (dtr/engines/subclass/rebuildable_plain.py), so backward holds what forward held.
+    # written_before: adj.t() is a copy that autograd treats as a view, so it takes adj's version
+    # counter after the op, and a version read as the op returns (0, its own) is not the one a later
+    # read sees (adj's, 1 here). The native engine reads it when the next op comes; the subclass
+    # engine accepts the source's counter once the copy is its view (otherwise it would hold one
+    # transpose per backward product here).
     engine = _engine(setup, monkeypatch)
     adj = _adjacency(400, torch.sparse_coo)
     if written_before:
@@ -358,7 +356,8 @@ def test_a_native_coo_run_and_its_trace_replayed_evict_alike(tmp_path):
     # both of dtr.sim's cores, to the evictions of the live run (tests/engines/native/test_native.py
     # checks the same for the bench models).
     pytest.importorskip("dtr._C", reason="the native engine is C++")
-    from dtr import native, sim
+    from dtr.engines.native import session as native
+    from dtr import sim
 
     program = _gcn(torch.sparse_coo)
     with native.enable(cost_model="roofline") as free:
@@ -374,7 +373,7 @@ def test_a_native_coo_run_and_its_trace_replayed_evict_alike(tmp_path):
     prog = sim.load(path)
     for core in ("c++", "python"):
         res = sim.simulate(
-            prog, dtr.DEFAULT_HEURISTIC, budget=budget, engine=core, log=True, thrash=0
+            prog, dtr.DEFAULT_HEURISTIC, budget=budget, core=core, log=True, thrash=0
         )
         assert res.status == "ok" and res.eviction_log == live_log
         assert (res.evictions, res.remats) == (stats.evictions, stats.remats)

@@ -27,7 +27,7 @@ hand-written update ``p.data = p.data - lr * g`` with g from ``torch.autograd.gr
 Each program runs eagerly, under dtr with no budget (which gives the peak P), and under
 dtr with a random budget (a fraction of P, down to infeasible ones), heuristic, core
 (C++ or the Python twin, through DTR_FORCE_PYTHON, or the native engine,
-dtr.native.enable), stress mode and invariant checking.
+dtr.engines.native.session.enable), stress mode and invariant checking.
 Every value the program holds, every loss, the gradients after each backward, the leaves
 and the RNG stream afterwards must be bitwise equal to eager. A budget dtr cannot meet
 may raise ``dtr.BudgetError`` and nothing else; the values held at that point must then
@@ -69,15 +69,15 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, reject, seed, settings
 
 import dtr
-import dtr.native
-from dtr import view_replay
-from dtr.runtime import LOST_MESSAGE
+import dtr.engines.native.session
+from dtr.engines.subclass import view_replay
+from dtr.engines.subclass.tensor import LOST_MESSAGE
 from tests.conftest import CORES, HAVE_CPP
 
 pytestmark = pytest.mark.slow
 
 # Where a program runs under dtr: dtr.enable() on either core, or the native engine
-# (dtr.native.enable, C++ only).
+# (dtr.engines.native.session.enable, C++ only).
 ENGINES = (*CORES, "native") if HAVE_CPP else CORES
 
 CI_EXAMPLES = 800
@@ -923,7 +923,7 @@ def run_dtr(program: Program, core: str, **kwargs) -> tuple[Interp, dtr.Stats]:
     UnsupportedError when a step is refused, with .interp and .stats attached."""
     it = Interp(program)
     if core == "native":
-        session = dtr.native.enable(cost_model="roofline", **kwargs)
+        session = dtr.engines.native.session.enable(cost_model="roofline", **kwargs)
     else:
         with core_env(core):
             session = dtr.enable(cost_model="roofline", engine="subclass", **kwargs)
@@ -954,7 +954,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def lost(t: torch.Tensor) -> bool:
     """Whether t was evicted when a block ended with a BudgetError (it is not rebuilt
-    then: reading it is refused with dtr.runtime.LOST_MESSAGE, never wrong)."""
+    then: reading it is refused with dtr.engines.subclass.tensor.LOST_MESSAGE, never wrong)."""
     try:
         plain(t).detach().sum()
     except (RuntimeError, dtr.DTRError) as exc:
@@ -1007,7 +1007,7 @@ def check_held(exc: dtr.DTRError, program: Program, what: str) -> None:
 def refused(exc: Exception, program: Program, core: str) -> bool:
     """Whether exc is a refusal dtr may give by design, from a step that may get one (or,
     on the subclass engine, from any step: the views autograd replays by op,
-    dtr/view_replay.py)."""
+    dtr/engines/subclass/view_replay.py)."""
     if not isinstance(exc, dtr.UnsupportedError) or not str(exc).startswith("dtr:"):
         return False
     if core != "native" and view_replay.NOTE in str(exc):
@@ -1153,8 +1153,8 @@ def test_interpreter_is_deterministic_and_runs_every_kind(core):
         got, stats = run_dtr(program, core, stress=True, check=True)
         compare(got, first, "stress")
     else:
-        # The subclass engine refuses the penalty's create_graph backward after this
-        # program's in-place writes to views (dtr/view_replay.py): the rest runs there.
+        # The subclass engine refuses the penalty's create_graph backward after this program's
+        # in-place writes to views (dtr/engines/subclass/view_replay.py): the rest runs there.
         rest = Program(program.shapes, program.seed, tuple(s for s in steps if s[0] != "penalty"))
         got, stats = run_dtr(rest, core, stress=True, check=True)
         compare(got, run_eager(rest), "stress")

@@ -39,10 +39,10 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import dtr
-import dtr.native
-import dtr.recipe
-import dtr.reserve
-import dtr.runtime
+import dtr.engines.native.session
+import dtr.engines.subclass.recipe
+import dtr.engines.subclass.kernel_peaks
+import dtr.engines.subclass.runtime
 from tests.utils import Case, Run, assert_bitwise, check, record_grads
 
 
@@ -360,7 +360,8 @@ CASES = {
         Case("recurrent", _recurrent_build, _recurrent_train, ratios=(0.8, 0.7)),
         Case("attention", _attention_build, _attention_train),
         Case("norms", _norms_build, _norms_train),
-        # bfloat16 kernels' own float32 buffers count against the budget (dtr/reserve.py)
+        # bfloat16 kernels' own float32 buffers count against the budget
+        # (dtr/engines/subclass/kernel_peaks.py)
         Case("autocast", _mixed_build, _mixed_train, ratios=(0.5, 0.4)),
         # Reentrant checkpointing's segment boundaries are plain (see Checkpointed).
         Case("checkpointed", _checkpointed_build, _checkpointed_train, ratios=(0.8, 0.7)),
@@ -389,7 +390,7 @@ def test_batch_norm_recomputed_but_statistics_updated_once(monkeypatch, subclass
     # The comparisons above would catch a second update of the running statistics only
     # if batch norm was really recomputed: count its kernel's calls here (both paths
     # call the op's C++ callable, _op), with and without stress mode.
-    monkeypatch.setattr(dtr.runtime, "FAST_PATH", fast)
+    monkeypatch.setattr(dtr.engines.subclass.runtime, "FAST_PATH", fast)
     op = torch.ops.aten.native_batch_norm.default
     real = op._op
     calls = [0]
@@ -427,8 +428,12 @@ def test_held_tensors_rebuilt_before_a_parameter_update(monkeypatch, subclass_en
     # tensor N, which is held but not materialized" (GPT-2's loop at 50% hit it; this
     # program was found by a random search, at a budget of three 1 KiB tensors). The
     # eviction pattern it needs is the one without room made before the second add
-    # (dtr/reserve.py), so that is switched off here.
-    monkeypatch.setattr(dtr.reserve.OutputSizes, "predict", lambda self, f, leaves: ((f,), 0))
+    # (dtr/engines/subclass/kernel_peaks.py), so that is switched off here.
+    monkeypatch.setattr(
+        dtr.engines.subclass.kernel_peaks.OutputSizes,
+        "predict",
+        lambda self, f, leaves: ((f,), 0),
+    )
 
     def program(w):
         a = w.cos()

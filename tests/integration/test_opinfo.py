@@ -15,7 +15,7 @@ The in-place form of each op that has one (``test_inplace[add-float32]`` runs
 ``x.add_(y)``) is checked the same way: it exercises new versions of managed tensors and
 recipes that replay on a copy of the old value (docs/design.md, Invariant 4).
 
-The same sweep runs under the native engine (``dtr.native.enable(stress=True,
+The same sweep runs under the native engine (``dtr.engines.native.session.enable(stress=True,
 check=True)``; ``test_native_op``, ``test_native_inplace``), where managed tensors are a
 C++ TensorImpl rather than a wrapper subclass.
 
@@ -53,9 +53,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import dtr
-import dtr.native
-import dtr.runtime
-from dtr.recipe import Recipe
+import dtr.engines.native.session
+import dtr.engines.subclass.runtime
+from dtr.engines.subclass.recipe import Recipe
 
 pytestmark = [pytest.mark.opinfo, pytest.mark.slow]
 
@@ -231,7 +231,7 @@ def run_sample(op, sample, backward: bool, under: str = "eager") -> Result:
     if under == "subclass":
         session = dtr.enable(stress=True, check=True, engine="subclass")
     elif under == "native":
-        session = dtr.native.enable(stress=True, check=True)
+        session = dtr.engines.native.session.enable(stress=True, check=True)
     context = session or (_NoOpMode() if under == "noop" else contextlib.nullcontext())
     with context:
         minp, margs, mkwargs = _as_op_outputs((inp, args, kwargs))
@@ -263,7 +263,7 @@ def _is_managed(x) -> bool:
     """A tensor of either engine (dtr.enable's wrapper, or the native engine's)."""
     if isinstance(x, dtr.CheckpointTensor):
         return True
-    return isinstance(x, torch.Tensor) and HAVE_NATIVE and dtr.native.is_managed(x)
+    return isinstance(x, torch.Tensor) and HAVE_NATIVE and dtr.engines.native.session.is_managed(x)
 
 
 class _NoOpMode(TorchDispatchMode):
@@ -590,7 +590,8 @@ _needs_native = pytest.mark.skipif(not HAVE_NATIVE, reason="the native engine is
 @_needs_native
 @pytest.mark.parametrize(("op", "dtype"), _params(inplace=False))
 def test_native_op(op, dtype):
-    """The same, under the native engine (dtr.native.enable, stress and check modes)."""
+    """The same, under the native engine (dtr.engines.native.session.enable, stress and
+    check modes)."""
     _check(op, dtype, inplace=False, engine="native")
 
 
@@ -615,7 +616,7 @@ def test_expected_file_names_only_known_variants():
 def test_a_wrong_recomputation_fails_the_check(monkeypatch):
     """Recomputed values one ulp off are caught: the sweep is not vacuous."""
     # (on the Python path, whose recomputations go through Recipe.replay)
-    monkeypatch.setattr(dtr.runtime, "FAST_PATH", False)
+    monkeypatch.setattr(dtr.engines.subclass.runtime, "FAST_PATH", False)
     replay = Recipe.replay
 
     def one_ulp_off(self, *args, **kwargs):

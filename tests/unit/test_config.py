@@ -170,6 +170,18 @@ def test_env_flags(monkeypatch):
     assert not resolve(stress=False).stress
 
 
+def test_check_option_and_its_env_variable_share_one_name(monkeypatch):
+    assert not resolve().check
+    monkeypatch.setenv("DTR_CHECK", "1")
+    assert resolve().check and not resolve(check=False).check  # the argument wins
+    monkeypatch.setenv("DTR_DEBUG", "0")  # the former name yields to the new one
+    assert resolve().check
+    monkeypatch.delenv("DTR_CHECK")
+    monkeypatch.setenv("DTR_DEBUG", "1")
+    with pytest.warns(DeprecationWarning, match="DTR_DEBUG is now called DTR_CHECK"):
+        assert dtr.enable().config.check
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
 @pytest.mark.parametrize("how", ["option", "env"])
 def test_measure_allocator_without_cuda_is_a_config_error(monkeypatch, how):
@@ -191,7 +203,7 @@ def test_measure_allocator_is_refused_by_the_native_engine(monkeypatch):
 
 def test_every_option_in_the_readme_is_taken_by_dtr_enable():
     # README's options table, and `cache` (the native engine's allocation cache, which
-    # only dtr.native.enable took)
+    # only dtr.engines.native.session.enable took)
     import pathlib
 
     readme = (pathlib.Path(REPO) / "README.md").read_text()
@@ -254,10 +266,10 @@ def test_missing_extension_warns_once_and_uses_the_twin(monkeypatch):
 
     import torch
 
-    from dtr import _core
+    from dtr import core
 
     monkeypatch.setitem(sys.modules, "dtr._C", None)  # makes `from . import _C` fail
-    monkeypatch.setattr(_core, "_warned", False)
+    monkeypatch.setattr(core, "_warned", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with dtr.enable() as s1:
@@ -272,16 +284,16 @@ def test_missing_extension_warns_once_and_uses_the_twin(monkeypatch):
 def test_extension_built_for_another_torch_is_not_used(monkeypatch):
     import warnings
 
-    from dtr import _core
+    from dtr import core
 
-    ext = _core._load_extension()
+    ext = core.load_extension()
     if ext is None:
         pytest.skip("the C++ core is not built")
     monkeypatch.setattr(ext, "TORCH_VERSION", "1.0.0")
-    monkeypatch.setattr(_core, "_warned", False)
+    monkeypatch.setattr(core, "_warned", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cls, kind = _core.core_class(False)
+        cls, kind = core.core_class(False)
     assert kind == "python"
     assert any("built for torch 1.0.0" in str(w.message) for w in caught)
 
@@ -291,13 +303,14 @@ def test_auto_engine_is_native_on_a_cpu_only_machine():
     if dtr.engines._accelerator_available():
         pytest.skip("this machine has an accelerator: auto picks the subclass engine")
     session = dtr.enable(budget="1GiB")
-    assert session.engine == "native" and isinstance(session, dtr.native.NativeSession)
+    assert session.engine == "native"
+    assert isinstance(session, dtr.engines.native.session.NativeSession)
     with session:
         x = torch.randn(8, 8, requires_grad=True)
         y = x.exp().sum()
-        assert dtr.native.is_managed(x.exp())
+        assert dtr.engines.native.session.is_managed(x.exp())
         y.backward()
-    assert session.stats().core == "native"
+    assert session.stats().core == "c++"
     assert resolve(engine="auto").engine == "native"
 
 
@@ -305,19 +318,20 @@ def test_auto_engine_is_native_on_a_cpu_only_machine():
 def test_auto_engine_falls_back_to_the_subclass_engine(monkeypatch, why):
     # Each thing that rules the native engine out: auto then runs the subclass engine,
     # and an explicit engine="native" is still honoured where it can run.
-    from dtr import _core, engines, native_key
+    from dtr import core, engines
+    from dtr.engines.native import key as native_key
 
     monkeypatch.setattr(engines, "_accelerator_available", lambda: why == "accelerator")
     if why == "python core":
         monkeypatch.setenv("DTR_FORCE_PYTHON", "1")
     elif why == "extension":
-        monkeypatch.setattr(_core, "_load_extension", lambda: None)
+        monkeypatch.setattr(core, "load_extension", lambda: None)
     elif why == "key taken":
         monkeypatch.setattr(native_key, "taken", lambda: "kernels are registered at PrivateUse3")
     engine, reason = engines.choose(dtr.config.force_python(), "dtr")
     assert engine == "subclass" and reason
     session = dtr.enable()
-    assert session.engine == "subclass" and isinstance(session, dtr.session.Session)
+    assert session.engine == "subclass" and isinstance(session, dtr.Session)
     assert resolve(engine="subclass").engine == "subclass"
     assert engines.choose(False, "allocator")[0] == "subclass"
 

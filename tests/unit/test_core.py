@@ -8,8 +8,8 @@ import random
 import pytest
 
 from dtr import HEURISTICS
-from dtr._core import core_class
-from dtr._pycore import NEW, VERSION, VIEW, PyCore
+from dtr.core import core_class
+from dtr.core.reference import NEW, VERSION, VIEW, PyCore
 
 CPP = core_class(False)[0]
 IMPLS = [PyCore] + ([CPP] if CPP is not PyCore else [])

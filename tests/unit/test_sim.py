@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import dtr
-import dtr.runtime
+import dtr.engines.subclass.runtime
 import dtr.sim as sim
 from bench.heldout import HELDOUT
 from bench.models import MODELS, batches, build
@@ -27,7 +27,7 @@ HAVE_PROTOTYPE = os.path.isdir(PROTOTYPE)
 needs_prototype = pytest.mark.skipif(
     not HAVE_PROTOTYPE, reason=f"prototype traces not found at {PROTOTYPE}"
 )
-ENGINES = ["c++", "python"]
+CORES = ["c++", "python"]
 
 
 def chain_trace(tmp_path, n, nbytes=100):
@@ -79,8 +79,8 @@ def test_every_prototype_record_kind(tmp_path):
         ("RELEASE", 3),
         ("END",),
     ]
-    for engine in ENGINES:
-        res = sim.simulate(prog, "dtr", engine=engine)
+    for core in CORES:
+        res = sim.simulate(prog, "dtr", core=core)
         assert res.status == "ok"
         # w (a constant: kept) + a (b, c are views) + v, i + relu_'s result
         assert res.peak_bytes == 40 + 400 + 40 + 80 + 40
@@ -104,10 +104,10 @@ def test_views_of_an_earlier_result_of_the_same_call(tmp_path):
         ((1, new, -1, 300), (2, view, 1, 0), (3, view, 1, 0)),
         (),
     )
-    for engine in ENGINES:
-        res = sim.simulate(prog, "dtr", engine=engine)
+    for core in CORES:
+        res = sim.simulate(prog, "dtr", core=core)
         assert res.status == "ok" and res.peak_bytes == 100 + 300
-        assert sim.simulate(prog, "dtr", budget=400, engine=engine).status == "ok"
+        assert sim.simulate(prog, "dtr", budget=400, core=core).status == "ok"
 
 
 def test_chain_under_lru_known_recomputations(tmp_path):
@@ -118,11 +118,11 @@ def test_chain_under_lru_known_recomputations(tmp_path):
     for n in (6, 9, 12):
         prog = sim.load(chain_trace(tmp_path, n))
         expected = sum(m for m in range(n - 3, 0, -2))
-        for engine in ENGINES:
-            free = sim.simulate(prog, "lru", engine=engine)
+        for core in CORES:
+            free = sim.simulate(prog, "lru", core=core)
             assert free.peak_bytes == n * 100 + 8 and free.remats == 0
-            res = sim.simulate(prog, "lru", budget=3 * 100 + 8, engine=engine, thrash=0)
-            assert res.status == "ok" and res.remats == expected, (n, engine, res.remats)
+            res = sim.simulate(prog, "lru", budget=3 * 100 + 8, core=core, thrash=0)
+            assert res.status == "ok" and res.remats == expected, (n, core, res.remats)
 
 
 def test_infeasible_and_thrash(tmp_path):
@@ -191,8 +191,8 @@ def test_live_run_and_its_replay_evict_alike(name, tmp_path, logged, core):
     prog = sim.load(path)
     assert prog.mode == P.LIVE
     assert any(ins[0] == "RESERVE" for ins in P.disassemble(prog))  # room made before ops
-    for engine in ENGINES:
-        res = sim.simulate(prog, None, budget=budget, engine=engine, log=True, thrash=0)
+    for core in CORES:
+        res = sim.simulate(prog, None, budget=budget, core=core, log=True, thrash=0)
         assert res.status == "ok"
         assert res.budget_bytes == budget  # not the lifted budget of the block's end
         assert res.eviction_log == live_log
@@ -214,8 +214,8 @@ def test_sampled_victim_search_live_and_replayed_alike(tmp_path, logged, core):
     assert not mismatches(train("transformer"), live)
     prog = sim.load(path)
     assert prog.meta["SEARCH_SAMPLE"] == "4"
-    for engine in ENGINES:
-        res = sim.simulate(prog, None, budget=budget, engine=engine, log=True, thrash=0)
+    for core in CORES:
+        res = sim.simulate(prog, None, budget=budget, core=core, log=True, thrash=0)
         assert res.eviction_log == live_log
     res = sim.simulate(prog, None, budget=budget, log=True, thrash=0, sample=0)
     assert res.eviction_log == exact_log
@@ -238,8 +238,8 @@ def test_recorded_settings_replay_as_live(setting, tmp_path, logged, core):
     assert live_log != plain_log and live.stats.evictions > 0
     prog = sim.load(path)
     assert sim.recorded_heuristic(prog) == heuristic
-    for engine in ENGINES:
-        res = sim.simulate(prog, budget=budget, engine=engine, log=True, thrash=0)
+    for core in CORES:
+        res = sim.simulate(prog, budget=budget, core=core, log=True, thrash=0)
         assert res.eviction_log == live_log
 
 
@@ -268,8 +268,8 @@ def test_budget_changed_mid_run_replays_as_live(change, tmp_path, logged, core):
     assert stats.evictions > 0
     prog = sim.load(path)
     assert sum(ins[0] == "BUDGET" for ins in P.disassemble(prog)) == 1
-    for engine in ENGINES:
-        res = sim.simulate(prog, None, budget=first, engine=engine, log=True, thrash=0)
+    for core in CORES:
+        res = sim.simulate(prog, None, budget=first, core=core, log=True, thrash=0)
         assert res.eviction_log == live_log
         assert (res.evictions, res.remats) == (stats.evictions, stats.remats)
         assert res.budget_bytes == first
@@ -320,7 +320,7 @@ def test_cpp_replay_and_python_driver_agree_on_prototype_traces():
         for heuristic in dtr.HEURISTICS:
             for ratio in (0.6, 0.35):
                 a = sim.simulate(prog, heuristic, ratio=ratio, log=True)
-                b = sim.simulate(prog, heuristic, ratio=ratio, engine="python+c++core", log=True)
+                b = sim.simulate(prog, heuristic, ratio=ratio, core="python+c++core", log=True)
                 da, db = a.as_dict(), b.as_dict()
                 da.pop("seconds"), db.pop("seconds")
                 assert da == db, (path, heuristic, ratio)

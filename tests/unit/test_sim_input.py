@@ -1,6 +1,6 @@
 """The simulator on bad input: every malformed trace or argument is one line on stderr
 starting ``dtr: `` (naming the file and line for a trace), an exit status of 1 (a bad
-trace) or 2 (a bad argument), never a traceback, the same from every replay engine and
+trace) or 2 (a bad argument), never a traceback, the same from every replay core and
 from the Python API; and what it prints is strict JSON."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dtr.errors import ConfigError
 from tests.utils import REPO
 
 SHIPPED_GZ = os.path.join(REPO, "bench", "results", "traces", "mlp.jsonl.gz")
-ENGINES = ["c++", "python", "python+c++core"]
+CORES = ["c++", "python", "python+c++core"]
 START = {"INSTRUCTION": "ANNOTATE", "ANNOTATION": "START"}
 
 
@@ -229,7 +229,7 @@ def cli(*args):
 
 
 def main(capsys, *args):
-    """python -m dtr.sim in this process (both engines without a process each): (exit
+    """python -m dtr.sim in this process (every core without a process each): (exit
     status, stdout, stderr)."""
     from dtr.sim.__main__ import main as sim_main
 
@@ -269,8 +269,8 @@ def test_bad_trace_is_one_line_naming_file_and_line(tmp_path, capsys, name):
     assert_one_dtr_line(out, 1)
     assert_names_place(out.stderr, path, line)
     assert says in out.stderr, out.stderr
-    for engine in ENGINES:
-        assert main(capsys, path, "--engine", engine, *extra) == outcome(out)
+    for core in CORES:
+        assert main(capsys, path, "--core", core, *extra) == outcome(out)
 
 
 @pytest.mark.parametrize("name", [n for n, case in TRACES.items() if not case[3]])
@@ -306,11 +306,11 @@ def test_bad_argument_is_one_line_naming_the_option(good_trace, capsys, option, 
     out = cli(good_trace, option, value)
     assert_one_dtr_line(out, 2)
     assert f"argument {option}: " in out.stderr and value in out.stderr, out.stderr
-    for engine in ENGINES:
-        assert main(capsys, good_trace, "--engine", engine, option, value) == outcome(out)
+    for core in CORES:
+        assert main(capsys, good_trace, "--core", core, option, value) == outcome(out)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("core", CORES)
 @pytest.mark.parametrize(
     "options",
     [
@@ -326,7 +326,7 @@ def test_bad_argument_is_one_line_naming_the_option(good_trace, capsys, option, 
         dict(budget=-2),
     ],
 )
-def test_simulate_refuses_bad_options(good_trace, options, engine):
+def test_simulate_refuses_bad_options(good_trace, options, core):
     prog = sim.load(good_trace)
     with pytest.raises(ConfigError, match="^dtr: "):
-        sim.simulate(prog, "dtr", engine=engine, **options)
+        sim.simulate(prog, "dtr", core=core, **options)

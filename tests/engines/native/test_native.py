@@ -1,5 +1,5 @@
-"""The native engine (dtr.native, csrc/native.cpp): training bitwise equal to eager with and
-without a budget tight enough to evict and recompute (in-place writes given versions,
+"""The native engine (dtr/engines/native/, csrc/native/): training bitwise equal to eager
+with and without a budget tight enough to evict and recompute (in-place writes given versions,
 random ops replayed from their generator's state, batch norm's hidden writes), gradients
 handed out plain, direct reads of evicted values refused with dtr's message, tensors
 usable after the block, and what it does not serve refused by name."""
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import dtr
-import dtr.native as native
+import dtr.engines.native.session as native
 from dtr.errors import DTRError
 from tests.utils import eager_chain_grad
 
@@ -86,7 +86,7 @@ def test_trains_bitwise_as_eager(kind):
     assert got[0] == expect[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
     stats = session.stats()
-    assert stats.ops > 0 and stats.evictions == 0 and stats.core == "native"
+    assert stats.ops > 0 and stats.evictions == 0 and stats.core == "c++"
 
 
 # (each feasible down to 0.5 of its peak, as under dtr.enable(): in-place ReLU and dropout
@@ -150,8 +150,8 @@ def test_values_are_managed_and_readable_after_the_block():
 
 
 def test_direct_reads_of_an_evicted_value_recompute_it():
-    # tolist() reads a copy of the value, recomputed; data_ptr() recomputes and pins it
-    # (an address must hold for the tensor's life), as numpy() does (dtr/native_reads.py).
+    # tolist() reads a copy of the value, recomputed; data_ptr() recomputes and pins it (an address
+    # must hold for the tensor's life), as numpy() does (dtr/engines/native/undispatched_reads.py).
     model, x, _ = _model("mlp")
     with torch.no_grad():
         want = [x]
@@ -475,11 +475,11 @@ def test_bad_stress_flag_is_a_config_error():
 
 @pytest.mark.parametrize("name", ["lstm", "mlp", "transformer", "tree"])
 def test_room_is_made_before_an_op_that_was_seen(name):
-    """From the second step on, the engine knows what each op allocates (per op and input
-    shapes, dtr/reserve.py) and evicts that much before running it, so fresh outputs do
-    not sit on top of the budget: the transient count stays within 5% of a 30% budget.
-    The LSTM's layer op returns a large workspace; without the reservation its steps
-    overshoot the budget by more than half of it."""
+    """From the second step on, the engine knows what each op allocates (per op and input shapes,
+    dtr/engines/subclass/kernel_peaks.py) and evicts that much before running it, so fresh outputs
+    do not sit on top of the budget: the transient count stays within 5% of a 30% budget. The LSTM's
+    layer op returns a large workspace; without the reservation its steps overshoot the budget by
+    more than half of it."""
     from bench.models import MODELS, batches, build
     from tests.utils import make_optimizer
 
@@ -536,7 +536,7 @@ def _roofline_cases():
 
 @pytest.mark.parametrize("case", range(len(_roofline_cases())))
 def test_roofline_prices_as_dtr_cost_does(case):
-    """The native engine's C++ roofline (csrc/roofline.cpp) gives dtr/cost.py's estimate
+    """The native engine's C++ roofline (csrc/core/roofline.cpp) gives dtr/cost.py's estimate
     of the same call: matmuls and convolutions (forward, transposed, and the backward's
     output masks) by torch's FLOP formulas, everything else by bytes moved."""
     from dtr import _C
@@ -626,10 +626,8 @@ def test_a_native_run_and_its_trace_replayed_evict_alike(name, tmp_path):
     prog = sim.load(path)
     assert prog.mode == P.LIVE
     assert any(ins[0] == "RESERVE" for ins in P.disassemble(prog))  # room made before ops
-    for engine in ("c++", "python"):
-        res = sim.simulate(
-            prog, start["HEURISTIC"], budget=budget, engine=engine, log=True, thrash=0
-        )
+    for core in ("c++", "python"):
+        res = sim.simulate(prog, start["HEURISTIC"], budget=budget, core=core, log=True, thrash=0)
         assert res.status == "ok"
         assert res.eviction_log == live_log
         assert (res.evictions, res.remats) == (stats.evictions, stats.remats)
@@ -1051,12 +1049,12 @@ def test_tensors_used_from_other_threads():
 
 @pytest.mark.parametrize("change", ["other-thread-write", "data", "half", "storage-freed"])
 def test_a_plain_tensor_changed_behind_the_engine_is_refused_on_recompute(change):
-    """A recipe reads a parameter; then, with no op the engine sees, the parameter is
-    written on another thread, gets another storage where the engine cannot see it
-    (PyTorch's own `.data` setter, as C++ code reaches it; `p.data = ...` in Python is
-    served, tests/engines/test_tensor_identity.py) or has its storage freed (what FSDP2 does when it reshards). Recomputing would read
-    the new values (or freed memory) where the program read the old ones: refused with
-    the subclass engine's dtr.UnsupportedError (tests/engines/test_faults.py, test_ddp.py)."""
+    """A recipe reads a parameter; then, with no op the engine sees, the parameter is written on
+    another thread, gets another storage where the engine cannot see it (PyTorch's own `.data`
+    setter, as C++ code reaches it; `p.data = ...` in Python is served,
+    tests/engines/test_tensor_identity.py) or has its storage freed (what FSDP2 does when it reshards).
+    Recomputing would read the new values (or freed memory) where the program read the old ones:
+    refused with the subclass engine's dtr.UnsupportedError (tests/engines/test_faults.py, tests/distributed/test_ddp.py)."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(8, 8))
     x = torch.randn(4, 8)
@@ -1132,7 +1130,7 @@ def test_dtr_enable_selects_the_native_engine(monkeypatch):
         got = _train(*_model("mlp"))
     assert isinstance(session, native.NativeSession) and not session.active
     stats = session.stats()
-    assert stats.core == "native" and stats.budget_bytes == budget and stats.evictions > 0
+    assert stats.core == "c++" and stats.budget_bytes == budget and stats.evictions > 0
     assert got[0] == expect[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], expect[1], strict=True))
     monkeypatch.setenv("DTR_ENGINE", "native")
@@ -1145,7 +1143,7 @@ def test_dtr_enable_selects_the_native_engine(monkeypatch):
     with pytest.raises(dtr.ConfigError, match="unknown engine 'fast'; valid: auto, native, sub"):
         dtr.enable(engine="fast")
     monkeypatch.setenv("DTR_ENGINE", "subclass")
-    assert isinstance(dtr.enable(), dtr.session.Session)
+    assert isinstance(dtr.enable(), dtr.Session)
     monkeypatch.setenv("DTR_ENGINE", "default")  # the subclass engine's old name
     with pytest.warns(DeprecationWarning, match="engine 'default' is now called 'subclass'"):
         assert dtr.enable().engine == "subclass"

@@ -1,4 +1,4 @@
-"""The native engine's dispatch key (dtr/native_key.py, kBackend in csrc/native.cpp):
+"""The native engine's dispatch key (dtr/engines/native/key.py, kBackend in csrc/native/engine.cpp):
 PrivateUse3, so the engine runs in a process whose PrivateUse1 backend is an accelerator
 plug-in's, and refuses to start where something else registered at its key first.
 Renaming a backend and registering kernels last as long as the process, so those cases
@@ -13,7 +13,9 @@ import textwrap
 import pytest
 import torch
 
-from dtr import engines, native, native_key
+from dtr import engines
+from dtr.engines.native import key as native_key
+from dtr.engines.native import session as native
 from tests.utils import REPO, assert_bitwise_with_remats
 
 pytest.importorskip("dtr._C", reason="the native engine is C++")
@@ -88,7 +90,7 @@ def test_the_native_engine_runs_beside_a_renamed_privateuse1_backend():
     assert unknown == "subclass"
     assert chosen == "native" and auto_engine == "native"
     core, remats = stats_line.split()
-    assert core == "native" and int(remats) > 0
+    assert core == "c++" and int(remats) > 0
 
 
 def test_the_native_engine_refuses_a_key_something_else_registered_at():

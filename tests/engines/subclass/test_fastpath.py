@@ -1,4 +1,4 @@
-"""The C++ per-op fast path (csrc/fastpath.cpp) against the Python path it stands in for.
+"""The C++ per-op fast path (csrc/subclass/fastpath.cpp) against the Python path it stands in for.
 
 The fast path serves the common op in one call into C++ and hands every other op to
 Runtime.handle. It must make the same core calls in the same order, so the same program
@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import dtr
-import dtr.runtime
+import dtr.engines.subclass.runtime
 from bench.models import MODELS as SPECS
 from bench.models import batches, build
 from tests.conftest import HAVE_CPP
@@ -43,7 +43,7 @@ def test_fast_and_python_paths_evict_alike(name, mode, logged, monkeypatch):
         kwargs["budget"] = int(unbudgeted_peak(name) * 0.4)
     fast = train(name, dtr_kwargs=kwargs)
     fast_log = logged[-1].eviction_log()
-    monkeypatch.setattr(dtr.runtime, "FAST_PATH", False)
+    monkeypatch.setattr(dtr.engines.subclass.runtime, "FAST_PATH", False)
     slow = train(name, dtr_kwargs=kwargs)
     # (stress mode's evictions are not the heuristic's choices: not in the log)
     assert fast.stats.remats > 0 and (len(fast_log) > 0 or mode == "stress")
@@ -80,7 +80,7 @@ def test_fast_and_python_paths_hold_the_same_memory(name, monkeypatch):
     # against 51,100 bytes; bench scale: 28.2 against 17.7 MiB).
     kwargs = {"budget": int(unbudgeted_peak(name) * 0.4), "cost_model": "roofline"}
     fast = _profiled_peak(name, kwargs)
-    monkeypatch.setattr(dtr.runtime, "FAST_PATH", False)
+    monkeypatch.setattr(dtr.engines.subclass.runtime, "FAST_PATH", False)
     assert fast == _profiled_peak(name, kwargs)
 
 
@@ -103,13 +103,13 @@ def test_replays_leave_their_recipes_as_recorded():
 def _fallbacks(monkeypatch) -> collections.Counter:
     """Counts the ops the fast path hands to Runtime.handle, by name."""
     counts: collections.Counter = collections.Counter()
-    handle = dtr.runtime.Runtime.handle
+    handle = dtr.engines.subclass.runtime.Runtime.handle
 
     def counted(self, func, args, kwargs):
         counts[str(func)] += 1
         return handle(self, func, args, kwargs)
 
-    monkeypatch.setattr(dtr.runtime.Runtime, "handle", counted)
+    monkeypatch.setattr(dtr.engines.subclass.runtime.Runtime, "handle", counted)
     return counts
 
 
@@ -147,7 +147,7 @@ def test_in_place_and_random_ops_on_the_fast_path(stress, monkeypatch):
     expected = _in_place_program(x)
     results = []
     for fast in (True, False):
-        monkeypatch.setattr(dtr.runtime, "FAST_PATH", fast)
+        monkeypatch.setattr(dtr.engines.subclass.runtime, "FAST_PATH", fast)
         counts = _fallbacks(monkeypatch)
         x.grad = None
         torch.manual_seed(1)
@@ -168,13 +168,13 @@ def test_recomputations_replay_in_cpp(monkeypatch):
     # recipes too, and those the Python path asks for: reading a value with .item(),
     # handing a gradient to the optimizer, an op handle() serves).
     reruns = collections.Counter()
-    rerun = dtr.runtime.Runtime.rerun
+    rerun = dtr.engines.subclass.runtime.Runtime.rerun
 
     def counted(self, rid, stolen):
         reruns[self.recipes[rid].facts.name] += 1
         return rerun(self, rid, stolen)
 
-    monkeypatch.setattr(dtr.runtime.Runtime, "rerun", counted)
+    monkeypatch.setattr(dtr.engines.subclass.runtime.Runtime, "rerun", counted)
     for name, kwargs in (
         ("tree", {"budget": int(unbudgeted_peak("tree") * 0.4)}),
         ("mlp", {"stress": True}),  # dropout: RNG state, in-place versions, stand-ins
@@ -278,7 +278,7 @@ def test_an_evicted_value_read_twice_by_one_op(monkeypatch):
     x = torch.randn(16, 16, requires_grad=True)
     results, remats = [], []
     for fast in (True, False):
-        monkeypatch.setattr(dtr.runtime, "FAST_PATH", fast)
+        monkeypatch.setattr(dtr.engines.subclass.runtime, "FAST_PATH", fast)
         with dtr.enable(stress=True) as session:
             h = x.tanh().sin()
             y = torch.cat([h * h, h + h])
@@ -301,7 +301,7 @@ def optional_list_op():
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_a_returned_list_with_none_between_tensors(fast, optional_list_op, monkeypatch):
-    monkeypatch.setattr(dtr.runtime, "FAST_PATH", fast)
+    monkeypatch.setattr(dtr.engines.subclass.runtime, "FAST_PATH", fast)
     x = torch.randn(3, requires_grad=True)
     with dtr.enable(stress=True):
         y = x * 1  # managed

@@ -1,4 +1,4 @@
-"""Evicting on demand when the allocator runs out of memory (dtr/oom.py).
+"""Evicting on demand when the allocator runs out of memory (dtr/engines/subclass/oom.py).
 
 A CPU machine never raises torch.OutOfMemoryError on its own, so these tests model a
 small device: custom ops that raise it, with the CUDA allocator's message, whenever dtr's
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dtr
-from dtr import oom
+from dtr.engines.subclass import oom
 
 CAPACITY = {"bytes": None}  # None: the fake device never runs out
 FAILS = {"first": 0}  # ops left that fail once after drawing random numbers

@@ -167,11 +167,10 @@ def test_data_dependent_item_and_tolist(device, core):
 
 @on_devices
 def test_ops_that_read_a_tensor_argument_in_cpp_get_its_value(device, core, engine, tmp_path):
-    """tensor_split's indices and ctc_loss's lengths are read by PyTorch's composite
-    kernels through data_ptr() before any op reaches dtr (dtr/direct_reads.py; the native
-    engine's read_values_first): they are handed over as values, recomputed when evicted
-    (READ in the trace), and the run equals eager and replays in the simulator to the
-    same recomputations."""
+    """tensor_split's indices and ctc_loss's lengths are read by PyTorch's composite kernels through
+    data_ptr() before any op reaches dtr (dtr/engines/subclass/undispatched_reads.py; the native
+    engine's read_values_first): they are handed over as values, recomputed when evicted (READ in
+    the trace), and the run equals eager and replays in the simulator to the same recomputations."""
     from dtr import sim
 
     if engine == "native" and device != "cpu":
@@ -211,8 +210,8 @@ def test_ops_that_read_a_tensor_argument_in_cpp_get_its_value(device, core, engi
 
 
 def test_tracing_tensor_split_after_a_session(core):
-    # The kernels dtr/direct_reads.py registers stay after the block; under the Python
-    # dispatcher (AOTAutograd's tracing with fake tensors) they must take the Python
+    # The kernels dtr/engines/subclass/undispatched_reads.py registers stay after the block; under
+    # the Python dispatcher (AOTAutograd's tracing with fake tensors) they must take the Python
     # decomposition the dispatcher took before, not the C++ composite that reads memory.
     with dtr.enable():
         pass
@@ -232,7 +231,7 @@ def test_a_numpy_array_aliases_the_tensor_as_in_eager(core, engine, stress):
     # t.numpy() shares memory with t: a write through the array is seen by the tensor,
     # an in-place op on the tensor by the array, whatever dtr evicts and recomputes in
     # between (stress: everything, after every op). The native engine pins the value
-    # (dtr/native_reads.py).
+    # (dtr/engines/native/undispatched_reads.py).
 
     def program():
         x = torch.arange(6.0, requires_grad=True)
@@ -267,7 +266,7 @@ def test_a_dlpack_capsule_shares_the_tensors_memory_as_in_eager(core, engine, st
     # DLPack hands out the memory itself. On the subclass engine's wrapper (address 0)
     # every route crashed the process or read garbage; the native engine's value could
     # be evicted under the capsule. Now the value is pinned, as numpy() pins it
-    # (dtr/dlpack.py, CheckpointTensor.__dlpack__, dtr/native_reads.py).
+    # (dtr/dlpack.py, CheckpointTensor.__dlpack__, dtr/engines/native/undispatched_reads.py).
 
     def program():
         x = torch.arange(6.0, requires_grad=True)
@@ -859,8 +858,8 @@ def test_record_stream_applies_to_the_value_and_is_not_a_write(core, stress):
     # writes t. Its handler, given a stand-in for the op: the resident value's memory is
     # recorded, an evicted value is left alone (not recomputed for it), and no new
     # version is made either way.
-    from dtr.call import Call
-    from dtr.runtime import _SPECIAL
+    from dtr.engines.subclass.tensor_args import TensorArgs
+    from dtr.engines.subclass.runtime import _SPECIAL
     from dtr.schema import op_facts
 
     op = torch.ops.aten.record_stream.default
@@ -870,7 +869,11 @@ def test_record_stream_applies_to_the_value_and_is_not_a_write(core, stress):
         h = torch.randn(4, requires_grad=True).sin()  # managed (evicted at once in stress)
         node, ops = h._dtr_ref.node, session.stats().ops
         result = _SPECIAL[op](
-            session._runtime, lambda v, s: seen.append((v, s)), facts, Call(facts, (h, 7), {}), True
+            session._runtime,
+            lambda v, s: seen.append((v, s)),
+            facts,
+            TensorArgs(facts, (h, 7), {}),
+            True,
         )
         assert result is None and h._dtr_ref.node is node and session.stats().ops == ops
         if stress:
@@ -932,7 +935,7 @@ def views_op():
 def test_outputs_that_are_views_of_one_fresh_buffer(fast, views_op, core, monkeypatch, tmp_path):
     # Counted once (one pool: evicted and recomputed together), not once per view, on
     # both cores and both paths; recorded in a trace that the simulator replays alike.
-    monkeypatch.setattr(dtr.runtime, "FAST_PATH", fast)
+    monkeypatch.setattr(dtr.engines.subclass.runtime, "FAST_PATH", fast)
 
     def fn():
         w = torch.randn(64, 32, requires_grad=True)
@@ -955,7 +958,7 @@ def test_outputs_that_are_views_of_one_fresh_buffer(fast, views_op, core, monkey
     with dtr.enable(stress=True, cost_model="roofline", trace=path) as session:
         fn()
     live = session.stats()
-    for engine in ("c++", "python"):
-        res = sim.simulate(sim.load(path), "dtr", stress=True, engine=engine, thrash=0)
+    for core in ("c++", "python"):
+        res = sim.simulate(sim.load(path), "dtr", stress=True, core=core, thrash=0)
         assert res.status == "ok"
         assert (res.evictions, res.remats) == (live.evictions, live.remats)

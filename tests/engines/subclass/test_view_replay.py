@@ -1,9 +1,9 @@
 """Views of a tensor written in place, whose backward autograd rebuilds after the write.
 
-Eager rebuilds it as as_strided's backward (the base's layout); for the subclass engine's
-tensors autograd replays the view's own ops (dtr/view_replay.py). Where that could show
-in a gradient the subclass engine refuses with a dtr: error; everywhere else, and on the
-native engine always, gradients are eager's bit for bit under forced recomputation."""
+Eager rebuilds it as as_strided's backward (the base's layout); for the subclass engine's tensors
+autograd replays the view's own ops (dtr/engines/subclass/view_replay.py). Where that could show in
+a gradient the subclass engine refuses with a dtr: error; everywhere else, and on the native engine
+always, gradients are eager's bit for bit under forced recomputation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.utils.checkpoint
 
 import dtr
-from dtr import view_replay
+from dtr.engines.subclass import view_replay
 
 from tests.utils import assert_bitwise_with_remats
 
