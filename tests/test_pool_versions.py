@@ -169,6 +169,41 @@ def test_old_value_read_by_recipe(engine, mode):
     _check_layers(layer, engine, mode)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_write_reading_another_member(engine, mode):
+    def layer(h, w):
+        a, b = (h @ w).unsafe_chunk(2, 1)
+        a.mul_(b.sigmoid())
+        b.add_(a)  # reads the member written just before, in the same storage
+        return (a * b).tanh()
+
+    _check_layers(layer, engine, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_random_write_to_a_member(engine, mode):
+    def layer(h, w):
+        a, b = (h @ w).tanh().unsafe_chunk(2, 1)
+        mask = torch.empty_like(a).bernoulli_(0.5)
+        b.mul_(mask)
+        a.mul_(torch.rand_like(a))
+        return a + b
+
+    _check_layers(layer, engine, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_foreach_writes_to_members_of_two_storages(engine, mode):
+    def layer(h, w):
+        a, b = (h @ w).unsafe_chunk(2, 1)
+        c, d = (h @ w.flip(1)).unsafe_chunk(2, 1)
+        torch._foreach_mul_([a, c], 0.5)
+        torch._foreach_add_([b, d], [a, c])
+        return (a * d + b * c).tanh()
+
+    _check_layers(layer, engine, mode)
+
+
 def test_writes_keep_lineage_on_the_native_engine():
     """LSTMCell's gate buffers stay recomputable: after a forward under stress nothing
     but constants is pinned."""
