@@ -19,7 +19,9 @@ namespace dtr {
 
 // What record() makes of each output: fresh storage; a view (refs[k] is the tensor it
 // aliases, or -(j + 1) for this call's earlier output j); the new version of refs[k].
-enum OutputKind : int64_t { kNew = 0, kView = 1, kVersion = 2 };
+enum OutputKind : int64_t { kNew = 0, kView = 1, kVersion = 2, kFollow = 3 };
+// kFollow is a trace's kind, never given to record(): a pool version's follower, which
+// record() makes itself (Core::follow), named by the trace after the declared outputs.
 
 enum Heuristic : int {
   kDTR = 0,

@@ -615,10 +615,9 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // A write to tid where other members of its storage are held (Invariant 4): a pool
   // version when every held member's tensors can be renamed, the op is recorded in a
   // form whose replay recomputes the whole storage (not an out= op, which may resize
-  // it), no other argument it writes shares the storage, and no trace is written (its
-  // format names no followers, so a replay would not see them).
+  // it), and no other argument it writes shares the storage.
   bool pool_version_ok(int64_t tid) const {
-    if (trace || !core.can_version(tid)) return false;
+    if (!core.can_version(tid)) return false;
     for (int64_t m : core.members(tid))
       if (m != tid && core.ext(m) > 0 && !cell_of(m)) return false;
     return true;
@@ -1978,9 +1977,26 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       for (const Slot& s : rec.slots) set_item(rec.args[s.arg], s.item, at::Tensor());
       rec.outs = outs;
       const std::vector<int64_t> out_tids = core.record(inputs, cost, kinds, refs, nbytes);
+      const size_t declared = kinds.size();
+      // A pool version's followers (after the declared outputs): the program's tensors
+      // naming the written storage's other held members name their new tensors, over the
+      // same storage; their old values move with the written one's (detach_old_version).
+      std::vector<std::shared_ptr<Cell>> follower_cells;
+      std::vector<int64_t> followed_version;  // per follower: the output it follows
+      for (size_t q = declared; q < out_tids.size(); ++q) {
+        const int64_t m = core.followed().at(q - declared);
+        size_t v = 0;
+        while (core.pool_of(out_tids[v]) != core.pool_of(out_tids[q])) ++v;
+        rec.outs.push_back({0, -1, outs[v].slot, true});
+        outs.push_back(rec.outs.back());
+        refs.push_back(m);
+        produced.push_back(e.values.at(m));
+        follower_cells.push_back(e.cell_of(m));
+        followed_version.push_back(static_cast<int64_t>(v));
+      }
       if (e.trace) {
         std::vector<int64_t> aliases;  // the trace's ALIAS: an index into ARGS, or past it
-        for (size_t q = 0; q < kinds.size(); ++q) {
+        for (size_t q = 0; q < declared; ++q) {
           int64_t a = -1;
           if (refs[q] >= 0) {
             for (size_t k = 0; k < inputs.size() && a < 0; ++k)
@@ -1990,21 +2006,14 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
           }
           aliases.push_back(a);
         }
-        e.trace->call(schema.name(), inputs, out_tids, cost, kinds, aliases, nbytes, fresh);
-      }
-      // A pool version's followers (after the declared outputs): the program's tensors
-      // naming the written storage's other held members name their new tensors, over the
-      // same storage; their old values move with the written one's (detach_old_version).
-      std::vector<std::shared_ptr<Cell>> follower_cells;
-      for (size_t q = kinds.size(); q < out_tids.size(); ++q) {
-        const int64_t m = core.followed().at(q - kinds.size());
-        size_t v = 0;  // the version it follows
-        while (core.pool_of(out_tids[v]) != core.pool_of(out_tids[q])) ++v;
-        rec.outs.push_back({0, -1, outs[v].slot, true});
-        outs.push_back(rec.outs.back());
-        refs.push_back(m);
-        produced.push_back(e.values.at(m));
-        follower_cells.push_back(e.cell_of(m));
+        std::vector<int64_t> traced_kinds = kinds, traced_nbytes = nbytes;
+        for (int64_t v : followed_version) {
+          traced_kinds.push_back(kFollow);
+          traced_nbytes.push_back(0);
+          aliases.push_back(static_cast<int64_t>(inputs.size()) + v);
+        }
+        e.trace->call(schema.name(), inputs, out_tids, cost, traced_kinds, aliases, traced_nbytes,
+                      fresh);
       }
       rec.out_tids = out_tids;
       int64_t rid = core.recipe_of(out_tids[0]);
@@ -2015,7 +2024,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
           e.output_of.resize(out_tids[q] + 1, {-1, 0});
         e.output_of[out_tids[q]] = {rid, q};
         if (outs[q].follows) {
-          e.rename(follower_cells[q - kinds.size()], out_tids[q]);
+          e.rename(follower_cells[q - declared], out_tids[q]);
         } else if (outs[q].slot >= 0) {  // a new version: the program's tensor names it now
           e.detach_old_version(refs[q]);
           e.rename(leaves[versioned[q]].native->cell_, out_tids[q]);  // versions come first

@@ -50,6 +50,9 @@ THRASH_FLOOR = 1000
 # Output kinds for record(): a fresh storage, a view of an input, or a new version of a
 # tensor mutated in place (Invariant 4: the old value keeps its lineage).
 NEW, VIEW, VERSION = 0, 1, 2
+# A trace's kind, never given to record(): a pool version's follower, which record() makes
+# itself (_follow), named by the trace after the declared outputs.
+FOLLOW = 3
 
 _MASK64 = (1 << 64) - 1
 

@@ -219,3 +219,30 @@ def test_writes_keep_lineage_on_the_native_engine():
         assert stats.pinned_bytes == stats.constant_bytes, stats
         loss = state[0].sum()
         loss.backward()
+
+
+def test_native_trace_replays_pool_versions_as_live(tmp_path):
+    """A native trace names a pool version's followers (FOLLOWS): both replay cores make
+    them again and evict what the live run evicted, in the same order."""
+    pytest.importorskip("dtr._C", reason="the native engine is C++")
+    from dtr import sim
+
+    run = lambda: _cell_lm(nn.LSTMCell)  # noqa: E731
+    _, _, free, _ = eager_and_dtr(run, "cpu", engine="native", cost_model="roofline")
+    budget = free.constant_bytes + (free.peak_resident_bytes - free.constant_bytes) * 7 // 10
+    path = str(tmp_path / "lstmcell.jsonl")
+    torch.manual_seed(0)
+    with dtr.enable(engine="native", budget=budget, cost_model="roofline", trace=path) as session:
+        session._engine.log_evictions(True)
+        run()
+        live_log = session._engine.eviction_log()
+    stats = session.stats()
+    assert stats.evictions == len(live_log) > 0 and stats.remats > 0
+    with open(path) as f:
+        assert any('"FOLLOWS":"1"' in line for line in f)
+    prog = sim.load(path)
+    for core in ("c++", "python"):
+        res = sim.simulate(prog, None, budget=budget, engine=core, log=True, thrash=0)
+        assert res.status == "ok"
+        assert res.eviction_log == live_log
+        assert (res.evictions, res.remats) == (stats.evictions, stats.remats)
