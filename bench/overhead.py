@@ -183,7 +183,7 @@ def _category(func: tuple) -> str:
         return "dispatch handler and C++ fast path (kernel included)"
     if "make_room" in name or "evict" in name:
         return "victim search"
-    if "dtr._C" in name or "_pycore" in filename or "Core" in name:
+    if "dtr._C" in name or filename.endswith(os.path.join("core", "reference.py")) or "Core" in name:
         return "core calls"
     if os.sep + "dtr" + os.sep in filename:
         return "dtr Python (dispatch, bookkeeping)"

@@ -47,6 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("stolen") = std::vector<int64_t>())
       .def("is_materialized", &dtr::Core::is_materialized)
       .def("is_private", &dtr::Core::is_private)
+      .def("can_version", &dtr::Core::can_version)
+      .def("followed", &dtr::Core::followed)
       .def("is_constant", &dtr::Core::is_constant)
       .def("has_consumers", &dtr::Core::has_consumers)
       .def("recipe_of", &dtr::Core::recipe_of)

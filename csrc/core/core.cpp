@@ -223,6 +223,12 @@ std::vector<int64_t> Core::record(const std::vector<int64_t>& inputs, double cos
     recipes_[rid].nbytes[k] = pools_[tensors_[outs[k]].pool].nbytes;
     recipes_[rid].version_of[k] = refs[k];
   }
+  // The pool's other held members follow each version into the new storage (after the
+  // declared outputs): they alias the written one, as in eager.
+  std::vector<std::pair<int64_t, int64_t>> followers;  // (old member, its new tensor)
+  for (size_t k = 0; k < n; ++k)
+    if (kinds[k] == kVersion) follow(refs[k], outs[k], rid, followers);
+  moved.insert(moved.end(), followers.begin(), followers.end());
   for (size_t k = 0; k < n; ++k) {
     if (kinds[k] == kNew) {
       int64_t pid = new_pool(nbytes[k], true, false);
@@ -243,6 +249,14 @@ std::vector<int64_t> Core::record(const std::vector<int64_t>& inputs, double cos
     } else if (kinds[k] != kVersion) {
       fail("bad output kind " + std::to_string(kinds[k]));
     }
+  }
+  recipes_[rid].pool_version = !followers.empty();
+  followed_.clear();
+  for (const auto& [m, follower] : followers) {
+    outs.push_back(follower);
+    recipes_[rid].nbytes.push_back(0);  // the version counts the pool's bytes
+    recipes_[rid].version_of.push_back(-1);  // m is lineage only and may be dropped
+    followed_.push_back(m);
   }
   for (int64_t tid : outs) {
     RecipeRec& r = recipes_[rid];
@@ -303,6 +317,23 @@ int64_t Core::version(int64_t old, int64_t rid) {
   pool_cost(op);
   mark_evicted(old_pid);
   return new_tensor(pid, rid, ext_, true);
+}
+
+// A pool version (Invariant 4): the members of old's pool the program still holds (now
+// in the old, evicted pool) become members of the new version's pool, made by the same
+// recipe, and take their handles over; their old values keep their lineage.
+void Core::follow(int64_t old, int64_t version, int64_t rid,
+                  std::vector<std::pair<int64_t, int64_t>>& out) {
+  const int64_t old_pid = tensors_[old].pool;
+  const int64_t pid = tensors_[version].pool;
+  const std::vector<int64_t> members = pools_[old_pid].members;
+  for (int64_t m : members) {
+    const int64_t ext_ = tensors_[m].ext;
+    if (m == old || ext_ == 0) continue;
+    tensors_[m].ext = 0;
+    pools_[old_pid].alive -= 1;
+    out.emplace_back(m, new_tensor(pid, rid, ext_, true));
+  }
 }
 
 // ------------------------------------------------------------------ handles
@@ -877,9 +908,13 @@ std::vector<int64_t> Core::steals(int64_t rid) const {
     const TensorRec& t = tensors_[old];
     const PoolRec& p = pools_[t.pool];
     if (!(t.mat && t.ext == 0 && t.lock == 1 && p.pinned == 0 && !p.constant)) continue;
+    // A pool version's old members (their handles went to the followers) are lineage
+    // only: the storage is theirs to give up unless a rebuild has one locked.
     bool alone = true;
     for (int64_t m : p.members)
-      if (m != old && tensors_[m].mat) alone = false;
+      if (m != old && (r.pool_version ? tensors_[m].lock > 0 || tensors_[m].ext > 0
+                                      : tensors_[m].mat))
+        alone = false;
     if (alone) out.push_back(static_cast<int64_t>(k));
   }
   return out;
@@ -903,9 +938,12 @@ void Core::remat_done(int64_t rid, const std::vector<int64_t>& nbytes,
   for (int64_t k : stolen) {
     int64_t old = recipes_[rid].version_of.at(k);
     TensorRec& t = tensors_[old];
-    t.mat = false;
-    evicted_.push_back(old);
     PoolRec& p = pools_[t.pool];
+    for (int64_t m : p.members)  // old, then what a pool version's steal gave up
+      if (m == old || tensors_[m].mat) {
+        tensors_[m].mat = false;
+        evicted_.push_back(m);
+      }
     p.resident = false;
     resident_bytes -= p.nbytes;
     cand_remove(p);
@@ -933,11 +971,14 @@ void Core::remat_done(int64_t rid, const std::vector<int64_t>& nbytes,
 }
 
 // ------------------------------------------------------------------ queries
-bool Core::is_private(int64_t tid) const {
+bool Core::is_private(int64_t tid) const { return can_version(tid) && P(T(tid).pool).alive == 1; }
+
+bool Core::can_version(int64_t tid) const {
   const TensorRec& t = T(tid);
   const PoolRec& p = pools_[t.pool];
-  return !p.constant && p.pinned == 0 && t.recipe >= 0 && t.ext > 0 && p.alive == 1;
+  return !p.constant && p.pinned == 0 && t.recipe >= 0 && t.ext > 0;
 }
+
 
 std::vector<int64_t> Core::descendants(const std::vector<int64_t>& seeds) const {
   std::vector<char> seen(tensors_.size(), 0);

@@ -19,7 +19,9 @@ namespace dtr {
 
 // What record() makes of each output: fresh storage; a view (refs[k] is the tensor it
 // aliases, or -(j + 1) for this call's earlier output j); the new version of refs[k].
-enum OutputKind : int64_t { kNew = 0, kView = 1, kVersion = 2 };
+enum OutputKind : int64_t { kNew = 0, kView = 1, kVersion = 2, kFollow = 3 };
+// kFollow is a trace's kind, never given to record(): a pool version's follower, which
+// record() makes itself (Core::follow), named by the trace after the declared outputs.
 
 enum Heuristic : int {
   kDTR = 0,
@@ -102,6 +104,7 @@ struct RecipeRec {
   double cost = 0.0;
   int64_t kept = 0;
   bool used = false;
+  bool pool_version = false;  // it has followers (Core::follow)
 };
 
 class Core {
@@ -148,7 +151,13 @@ class Core {
                   const std::vector<int64_t>& stolen);
   // queries
   bool is_materialized(int64_t tid) const { return T(tid).mat; }
+  // tid may get a new version: its pool is recomputable and the program holds tid.
+  // Private (the only member held): the old value's storage is taken over. Otherwise a
+  // pool version: the other held members follow it into the new storage (record()
+  // returns them after the declared outputs; followed() names what each replaced).
   bool is_private(int64_t tid) const;
+  bool can_version(int64_t tid) const;
+  const std::vector<int64_t>& followed() const { return followed_; }  // by the last record()
   bool is_constant(int64_t tid) const { return P(T(tid).pool).constant; }
   bool has_consumers(int64_t tid) const { return !T(tid).consumers.empty(); }
   int64_t recipe_of(int64_t tid) const { return T(tid).recipe; }
@@ -215,6 +224,8 @@ class Core {
   static void reset(PoolRec& p);
   static void reset(RecipeRec& r);
   int64_t version(int64_t old, int64_t rid);
+  void follow(int64_t old, int64_t version, int64_t rid,
+              std::vector<std::pair<int64_t, int64_t>>& out);
   bool droppable(const TensorRec& t) const;
   void maybe_drop(int64_t tid);
   void drop(std::vector<int64_t> stack);
@@ -263,6 +274,7 @@ class Core {
   std::vector<double> uf_cost_;
   int64_t evicted_pools_ = 0;
   std::vector<Frame> frames_;
+  std::vector<int64_t> followed_;  // see followed()
   bool logging_ = false;
   std::vector<int64_t> log_;
   std::vector<uint64_t> visit_;  // per-pool epoch marks for neighbourhood walks

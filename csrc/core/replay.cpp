@@ -193,7 +193,11 @@ class Replayer {
     const int64_t nfresh = code[pc];
     for (int64_t j = 0; j < nfresh; ++j) fresh.push_back(slots_[code[pc + 1 + j]]);
     pc += 1 + nfresh;
+    int64_t declared = 0;  // the results before a pool version's followers, which the
+                           // core makes itself (Core::follow)
     for (int64_t j = 0; j < nres; ++j) {
+      if (body[4 * j + 1] == kFollow) continue;
+      ++declared;
       kinds.push_back(body[4 * j + 1]);
       const int64_t r = body[4 * j + 2];
       // an argument's position, or nargs + j for this call's result j (core: -(j + 1))
@@ -209,7 +213,11 @@ class Replayer {
       for (int64_t j = 0; j < static_cast<int64_t>(outs.size()); ++j) slots_[body[4 * j]] = outs[j];
       return pc;
     }
-    if (nres) outs = core_.record(args, cost, kinds, refs, nbytes);
+    if (declared) outs = core_.record(args, cost, kinds, refs, nbytes);
+    if (static_cast<int64_t>(outs.size()) != nres)
+      throw std::runtime_error("dtr: a CALL names " + std::to_string(nres - declared) +
+                               " followers of a pool version where the replay made " +
+                               std::to_string(static_cast<int64_t>(outs.size()) - declared));
     core_.drain_discard();
     for (int64_t j = 0; j < static_cast<int64_t>(outs.size()); ++j) slots_[body[4 * j]] = outs[j];
     unlocking_.clear();
@@ -219,7 +227,7 @@ class Replayer {
     for (int64_t t : fresh) core_.release(t);
     std::vector<int64_t>& protect = protect_;
     protect.clear();
-    for (size_t j = 0; j < outs.size(); ++j)
+    for (size_t j = 0; j < kinds.size(); ++j)
       if (kinds[j] != kVersion) protect.push_back(outs[j]);
     for (int64_t t : protect) core_.lock(t);
     const bool ok = core_.make_room(0);

@@ -197,6 +197,9 @@ struct Out {     // where a recipe's core output comes from
   size_t ret;    // the return it is (or an item of), when slot < 0
   int64_t item;  // index in a list return, or -1
   int64_t slot;  // a new version: the index in `slots` of the argument written in place
+  // A pool version's follower (Core::follow): another member of the storage the version
+  // in `slot` was computed in (its value keeps its own geometry over that storage).
+  bool follows = false;
 };
 
 // The sparse layouts whose plain tensors a recipe may read, and the parts whose storages
@@ -449,6 +452,9 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
   std::recursive_mutex mu;
   std::atomic<bool> open{true};
   std::vector<at::Tensor> values;  // per tid: the plain tensor over the shared StorageImpl
+  // per tid: the Cell the program's tensors naming it share (a pool version renames the
+  // cells of the written storage's other members)
+  std::vector<std::weak_ptr<Cell>> cells;
   std::vector<Recipe> recipes;     // per recipe id
   std::vector<std::pair<int64_t, size_t>> output_of;  // per tid: (recipe, output) or -1
   std::unordered_map<const c10::StorageImpl*, int64_t> const_tid;  // constant storages
@@ -597,6 +603,26 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
         s->set_data_ptr(at::DataPtr(nullptr, s->_mutable_data_ptr_no_checks().device()));
     s->release_data_and_set_meta_custom_data_ptr_error_msg_(std::string(kEvictedMsg));
   }
+  void rename(const std::shared_ptr<Cell>& cell, int64_t tid) {
+    cell->tid = tid;
+    if (static_cast<int64_t>(cells.size()) <= tid) cells.resize(tid + 1);
+    cells[tid] = cell;
+  }
+  std::shared_ptr<Cell> cell_of(int64_t tid) const {
+    if (tid >= static_cast<int64_t>(cells.size())) return nullptr;
+    std::shared_ptr<Cell> cell = cells[tid].lock();
+    return cell && cell->tid == tid ? cell : nullptr;
+  }
+  // A write to tid where other members of its storage are held (Invariant 4): a pool
+  // version when every held member's tensors can be renamed, the op is recorded in a
+  // form whose replay recomputes the whole storage (not an out= op, which may resize
+  // it), and no other argument it writes shares the storage.
+  bool pool_version_ok(int64_t tid) const {
+    if (!core.can_version(tid)) return false;
+    for (int64_t m : core.members(tid))
+      if (m != tid && core.ext(m) > 0 && !cell_of(m)) return false;
+    return true;
+  }
   void set(std::vector<at::Tensor>& v, int64_t t, at::Tensor x) {
     if (static_cast<int64_t>(v.size()) <= t) v.resize(t + 1);
     v[t] = std::move(x);
@@ -620,13 +646,13 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
   // Runtime._export_version: the new version, with no lineage, that a value handed out
   // becomes. It takes over the storage and the program's handles (cell); the old value
   // moves to an evicted pool with its recipe and readers.
-  int64_t export_version(Cell& cell) {
-    const int64_t old = cell.tid;
+  int64_t export_version(const std::shared_ptr<Cell>& cell) {
+    const int64_t old = cell->tid;
     const int64_t tid = core.record({old}, 0.0, {kVersion}, {old}, {0})[0];
     if (trace) trace->exported(old, tid);
     set(values, tid, values.at(old));
     detach_old_version(old);
-    cell.tid = tid;
+    rename(cell, tid);
     core.pin(tid);
     return tid;
   }
@@ -896,7 +922,7 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
     const bool out_form = rec.out_form;
     for (size_t k = 0; k < rec.outs.size(); ++k) {
       const int64_t q = rec.outs[k].slot;
-      if (q < 0) continue;
+      if (q < 0 || rec.outs[k].follows) continue;
       if (!contains(stolen, static_cast<int64_t>(k)))
         filled[q] = copy_storage(filled[q]);
       else if (out_form)  // the kernel may resize it: the old value keeps its geometry
@@ -944,6 +970,7 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
     std::vector<int64_t> nbytes;
     for (size_t k = 0; k < rec.outs.size(); ++k) {
       const Out& o = rec.outs[k];
+      // (a follower: the storage the version it follows was computed in)
       at::Tensor fresh = o.slot >= 0 ? filled[o.slot] : get_item(stack[o.ret], o.item);
       int64_t tid = rec.out_tids[k];
       nbytes.push_back(static_cast<int64_t>(fresh.storage().nbytes()));
@@ -1235,7 +1262,7 @@ at::Tensor export_value(NativeEngine& e, const at::Tensor& t) {
   if (e.trace && !version) e.trace->exported(tid);
   e.make_resident(tid);
   if (version) {
-    tid = e.export_version(*impl->cell_);
+    tid = e.export_version(impl->cell_);
   } else {
     e.core.pin(tid);
     if (read) e.invalidate(e.core.members(tid));
@@ -1747,13 +1774,21 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     // only one of its storage the program holds gets a new version (its old value keeps
     // its lineage); any other written tensor has what reads it materialized and pinned.
     std::vector<size_t> versioned, invalid;
+    auto shares_written = [&](size_t k) {  // another written argument in k's storage
+      for (size_t q = 0; q < leaves.size(); ++q)
+        if (leaves[q].native && is_written(leaves[q].arg) && tids[q] != tids[k] &&
+            core.pool_of(tids[q]) == core.pool_of(tids[k]))
+          return true;
+      return false;
+    };
     for (size_t k = 0; k < leaves.size(); ++k) {
       if (!is_written(leaves[k].arg) || !leaves[k].tensor.defined()) continue;
       if (leaves[k].native) {
         int times = 0;
         for (size_t q = 0; q < leaves.size(); ++q)
           if (leaves[q].native && is_written(leaves[q].arg) && tids[q] == tids[k]) ++times;
-        if (times == 1 && core.is_private(tids[k])) {
+        if (times == 1 && (core.is_private(tids[k]) ||
+                           (!facts.out_form && !shares_written(k) && e.pool_version_ok(tids[k])))) {
           versioned.push_back(k);
           continue;
         }
@@ -1951,9 +1986,26 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       for (const Slot& s : rec.slots) set_item(rec.args[s.arg], s.item, at::Tensor());
       rec.outs = outs;
       const std::vector<int64_t> out_tids = core.record(inputs, cost, kinds, refs, nbytes);
+      const size_t declared = kinds.size();
+      // A pool version's followers (after the declared outputs): the program's tensors
+      // naming the written storage's other held members name their new tensors, over the
+      // same storage; their old values move with the written one's (detach_old_version).
+      std::vector<std::shared_ptr<Cell>> follower_cells;
+      std::vector<int64_t> followed_version;  // per follower: the output it follows
+      for (size_t q = declared; q < out_tids.size(); ++q) {
+        const int64_t m = core.followed().at(q - declared);
+        size_t v = 0;
+        while (core.pool_of(out_tids[v]) != core.pool_of(out_tids[q])) ++v;
+        rec.outs.push_back({0, -1, outs[v].slot, true});
+        outs.push_back(rec.outs.back());
+        refs.push_back(m);
+        produced.push_back(e.values.at(m));
+        follower_cells.push_back(e.cell_of(m));
+        followed_version.push_back(static_cast<int64_t>(v));
+      }
       if (e.trace) {
         std::vector<int64_t> aliases;  // the trace's ALIAS: an index into ARGS, or past it
-        for (size_t q = 0; q < kinds.size(); ++q) {
+        for (size_t q = 0; q < declared; ++q) {
           int64_t a = -1;
           if (refs[q] >= 0) {
             for (size_t k = 0; k < inputs.size() && a < 0; ++k)
@@ -1963,7 +2015,14 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
           }
           aliases.push_back(a);
         }
-        e.trace->call(schema.name(), inputs, out_tids, cost, kinds, aliases, nbytes, fresh);
+        std::vector<int64_t> traced_kinds = kinds, traced_nbytes = nbytes;
+        for (int64_t v : followed_version) {
+          traced_kinds.push_back(kFollow);
+          traced_nbytes.push_back(0);
+          aliases.push_back(static_cast<int64_t>(inputs.size()) + v);
+        }
+        e.trace->call(schema.name(), inputs, out_tids, cost, traced_kinds, aliases, traced_nbytes,
+                      fresh);
       }
       rec.out_tids = out_tids;
       int64_t rid = core.recipe_of(out_tids[0]);
@@ -1973,9 +2032,11 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
         if (static_cast<int64_t>(e.output_of.size()) <= out_tids[q])
           e.output_of.resize(out_tids[q] + 1, {-1, 0});
         e.output_of[out_tids[q]] = {rid, q};
-        if (outs[q].slot >= 0) {  // a new version: the program's tensor names it now
+        if (outs[q].follows) {
+          e.rename(follower_cells[q - declared], out_tids[q]);
+        } else if (outs[q].slot >= 0) {  // a new version: the program's tensor names it now
           e.detach_old_version(refs[q]);
-          leaves[versioned[q]].native->cell_->tid = out_tids[q];  // versions come first
+          e.rename(leaves[versioned[q]].native->cell_, out_tids[q]);  // versions come first
         } else {
           protect.push_back(out_tids[q]);
         }
@@ -1985,6 +2046,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       for (size_t q = 0; q < out_tids.size(); ++q) {
         if (outs[q].slot >= 0) continue;
         at::Tensor w = at::detail::make_tensor<NativeImpl>(eng, out_tids[q], produced[q]);
+        e.rename(static_cast<NativeImpl*>(w.unsafeGetTensorImpl())->cell_, out_tids[q]);
         set_item((*stack)[rbegin + outs[q].ret], outs[q].item, w);
       }
     }

@@ -63,8 +63,9 @@ class Trace {
   void invalidate(const std::vector<int64_t>& tids) {
     line("{\"INSTRUCTION\":\"INVALIDATE\",\"ARGS\":" + labels(tids) + "}");
   }
-  // One recorded op (kinds: dtr::kNew / kView / kVersion; alias: -1 fresh, else the
-  // index in args of what it views or updates, or args.size() + j for result j).
+  // One recorded op (kinds: dtr::kNew / kView / kVersion, then kFollow for a pool
+  // version's followers; alias: -1 fresh, else the index in args of what it views or
+  // updates, or args.size() + j for result j: the version a follower follows).
   void call(const std::string& op, const std::vector<int64_t>& args,
             const std::vector<int64_t>& results, double cost, const std::vector<int64_t>& kinds,
             const std::vector<int64_t>& aliases, const std::vector<int64_t>& nbytes,
@@ -80,7 +81,9 @@ class Trace {
       memory(results[j], nbytes[j]);
       line("{\"INSTRUCTION\":\"ALIAS\",\"NAME\":" + label(results[j]) +
            ",\"ALIAS\":" + quote(std::to_string(aliases[j])) +
-           (kinds[j] == kVersion ? ",\"VERSION\":\"1\"}" : "}"));
+           (kinds[j] == kVersion   ? ",\"VERSION\":\"1\"}"
+            : kinds[j] == kFollow ? ",\"FOLLOWS\":\"1\"}"
+                                  : "}"));
     }
   }
   void budget(int64_t nbytes) {  // session.set_budget(): the budget from the next op on

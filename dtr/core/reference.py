@@ -50,6 +50,9 @@ THRASH_FLOOR = 1000
 # Output kinds for record(): a fresh storage, a view of an input, or a new version of a
 # tensor mutated in place (Invariant 4: the old value keeps its lineage).
 NEW, VIEW, VERSION = 0, 1, 2
+# A trace's kind, never given to record(): a pool version's follower, which record() makes
+# itself (_follow), named by the trace after the declared outputs.
+FOLLOW = 3
 
 _MASK64 = (1 << 64) - 1
 
@@ -114,7 +117,7 @@ class _Frame:
 
 
 class _Recipe:
-    __slots__ = ("inputs", "outputs", "nbytes", "version_of", "cost", "kept")
+    __slots__ = ("inputs", "outputs", "nbytes", "version_of", "cost", "kept", "pool_version")
 
     def __init__(self, inputs: list[int], cost: float):
         self.inputs = inputs
@@ -123,6 +126,7 @@ class _Recipe:
         self.version_of: list[int] = []  # per output: the tensor it updated in place, or -1
         self.cost = cost
         self.kept = 0
+        self.pool_version = False  # it has followers (_follow)
 
 
 class PyCore:
@@ -153,6 +157,7 @@ class PyCore:
         self._uf_cost: list[float] = []
         self._evicted_pools = 0
         self._frames: list[_Frame] = []
+        self._followed: list[int] = []  # see followed()
         self._log: list[int] | None = None
         # Resident, non-constant pools: the only possible victims, kept as a dense list
         # (swap-remove, the same order in the C++ core) so that victim search never walks
@@ -282,6 +287,13 @@ class PyCore:
                 moved[refs[k]] = outs[k]
                 r.nbytes[k] = self._P[self._T[outs[k]].pool].nbytes
                 r.version_of[k] = refs[k]
+        # The pool's other held members follow each version into the new storage (after
+        # the declared outputs): they alias the written one, as in eager.
+        followers: list[tuple[int, int]] = []
+        for k in range(n):
+            if kinds[k] == VERSION:
+                self._follow(refs[k], outs[k], rid, followers)
+        moved.update(followers)
         for k in range(n):
             kind = kinds[k]
             if kind == NEW:
@@ -302,6 +314,12 @@ class PyCore:
                 outs[k] = self._new_tensor(pid, rid, 1, True)
             elif kind != VERSION:
                 raise CoreError(f"dtr: bad output kind {kind}")
+        r.pool_version = bool(followers)
+        self._followed = [m for m, _ in followers]
+        for _, follower in followers:
+            outs.append(follower)
+            r.nbytes.append(0)  # the version counts the pool's bytes
+            r.version_of.append(-1)  # what it followed is lineage only and may be dropped
         for tid in outs:
             r.outputs.append(tid)
             r.kept += 1
@@ -351,6 +369,21 @@ class PyCore:
         self._pool_cost(op)
         self._mark_evicted(old_pid)
         return self._new_tensor(pid, rid, ext, True)
+
+    def _follow(self, old: int, version: int, rid: int, out: list[tuple[int, int]]) -> None:
+        # A pool version (Invariant 4): the members of old's pool the program still holds
+        # (now in the old, evicted pool) become members of the new version's pool, made by
+        # the same recipe, and take their handles over; their old values keep their lineage.
+        old_pid = self._T[old].pool
+        pid = self._T[version].pool
+        for m in list(self._P[old_pid].members):
+            tm = self._T[m]
+            ext = tm.ext
+            if m == old or ext == 0:
+                continue
+            tm.ext = 0
+            self._P[old_pid].alive -= 1
+            out.append((m, self._new_tensor(pid, rid, ext, True)))
 
     # ------------------------------------------------------------------ handles
     def retain(self, tid: int) -> None:
@@ -851,10 +884,16 @@ class PyCore:
                 and t.lock == 1
                 and p.pinned == 0
                 and not p.constant
-                and all(m == old or not self._T[m].mat for m in p.members)
+                and all(m == old or not self._blocks_steal(r, self._T[m]) for m in p.members)
             ):
                 out.append(k)
         return out
+
+    @staticmethod
+    def _blocks_steal(r: _Recipe, m: _Tensor) -> bool:
+        # A pool version's old members (their handles went to the followers) are lineage
+        # only: the storage is theirs to give up unless a rebuild has one locked.
+        return m.lock > 0 or m.ext > 0 if r.pool_version else m.mat
 
     def remat_bytes(self, rid: int) -> int:
         """Bytes the recipe allocates when rerun: its fresh outputs, less the storage it
@@ -874,9 +913,11 @@ class PyCore:
         self.now += r.cost
         for k in stolen:
             old = self._T[r.version_of[k]]
-            old.mat = False
-            self._evicted.append(r.version_of[k])
             p = self._P[old.pool]
+            for m in p.members:  # old, then what a pool version's steal gave up
+                if m == r.version_of[k] or self._T[m].mat:
+                    self._T[m].mat = False
+                    self._evicted.append(m)
             p.resident = False
             self.resident_bytes -= p.nbytes
             self._cand_remove(p)
@@ -911,9 +952,22 @@ class PyCore:
     def is_private(self, tid: int) -> bool:
         """True when tid may be updated in place by versioning: it is the only member of
         its pool the program holds, and every member can be recomputed."""
+        return self.can_version(tid) and self._P[self._T[tid].pool].alive == 1
+
+    def can_version(self, tid: int) -> bool:
+        """True when tid may get a new version: its pool can be recomputed and the program
+        holds tid. Private (is_private), the old value's storage is taken over; otherwise
+        a pool version: the pool's other held members follow it into the new storage
+        (record() returns them after the declared outputs; followed() names what each
+        replaced)."""
         t = self._T[tid]
         p = self._P[t.pool]
-        return not p.constant and p.pinned == 0 and t.recipe >= 0 and t.ext > 0 and p.alive == 1
+        return not p.constant and p.pinned == 0 and t.recipe >= 0 and t.ext > 0
+
+    def followed(self) -> list[int]:
+        """The held members whose handles the last record()'s followers took over, in
+        the followers' order."""
+        return list(self._followed)
 
     def is_constant(self, tid: int) -> bool:
         return self._P[self._T[tid].pool].constant

@@ -54,7 +54,7 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from ..core.reference import NEW, VERSION, VIEW
+from ..core.reference import FOLLOW, NEW, VERSION, VIEW
 from ..errors import DTRError
 from . import program as P
 from .parse import TraceError
@@ -152,7 +152,8 @@ class _Builder:
     def call(self, cost, args, results, fresh) -> None:
         new, total, later = [], 0, []
         for slot, kind, ref, nbytes in results:
-            if kind == VIEW and ref >= len(args):  # of this call's result ref - len(args)
+            # a view of this call's result ref - len(args), or a follower of its version
+            if kind in (VIEW, FOLLOW) and ref >= len(args):
                 later.append((slot, results[ref - len(args)][0]))
                 continue
             if kind == VIEW:  # collapsed into the node that holds the storage

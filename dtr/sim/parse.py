@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from ..core.reference import HEURISTICS, NEW, VERSION, VIEW
+from ..core.reference import FOLLOW, HEURISTICS, NEW, VERSION, VIEW
 from ..errors import DTRError
 from . import program as P
 
@@ -297,7 +297,15 @@ class _Compiler:
                 )
             if alias.get("VERSION") == "1" and ref >= len(args):
                 self.fail(number, f"result {name!r} is a new version of a result")
-            if ref < 0:
+            follows = alias.get("FOLLOWS") == "1"
+            if follows and (ref < len(args) or body[4 * (ref - len(args)) + 1] != VERSION):
+                self.fail(number, f"result {name!r} follows no new version of this call")
+            if not follows and any(k == FOLLOW for k in body[1::4]):
+                self.fail(number, f"result {name!r} comes after a pool version's followers")
+            if follows:  # a pool version's follower: the core makes it (Core::follow)
+                self.integer(mem_number, mem, "MEMORY", 0)
+                kind, nbytes = FOLLOW, 0
+            elif ref < 0:
                 kind, nbytes = NEW, self.nbytes(mem_number, mem, "MEMORY")
             else:  # a view or a version: no storage of its own
                 self.integer(mem_number, mem, "MEMORY", 0)

@@ -9,6 +9,7 @@ CONST          slot, nbytes
 COPY           dst, src                        (a new handle on src's tensor)
 RELEASE        slot
 CALL           cost index, n, args..., m, (slot, kind, arg index, nbytes) x m, f, fresh...
+               (kind FOLLOW: a pool version's follower, after the others; the core makes it)
 MUTATE         cost index, n, args..., m, (arg index, new slot) x m        (prototype)
 COPY_FROM      dst, src                        (dst's handle moves to src's tensor)
 INPUTS         n, slots...                     (live: lock and materialize)

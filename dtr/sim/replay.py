@@ -12,8 +12,9 @@ import dataclasses
 import time
 
 from ..core.rebuild import Rebuilder
-from ..core.reference import NEW, VERSION
+from ..core.reference import FOLLOW, NEW, VERSION
 from . import program as P
+from .parse import TraceError
 
 
 class _Stop(Exception):
@@ -191,19 +192,27 @@ class Replay(Rebuilder):
         nfresh = code[pc]
         fresh = [slots[s] for s in code[pc + 1 : pc + 1 + nfresh]]
         pc += 1 + nfresh
-        kinds = body[1::4]
+        # the results before a pool version's followers, which the core makes itself
+        declared = sum(1 for k in body[1::4] if k != FOLLOW)
+        kinds = body[1 : 4 * declared : 4]
         # an argument's position, or nargs + j for this call's result j (core: -(j + 1))
         refs = [
-            args[r] if 0 <= r < nargs else nargs - r - 1 if r >= nargs else -1 for r in body[2::4]
+            args[r] if 0 <= r < nargs else nargs - r - 1 if r >= nargs else -1
+            for r in body[2 : 4 * declared : 4]
         ]
-        nbytes = body[3::4]
+        nbytes = body[3 : 4 * declared : 4]
         if not live:
             extra = sum(b for k, b in zip(kinds, nbytes) if k == NEW)
             outs = self._prototype_op(args, cost, kinds, refs, nbytes, lambda: extra)
             for s, t in zip(body[0::4], outs):
                 slots[s] = t
             return pc
-        outs = core.record(args, cost, kinds, refs, nbytes) if nres else []
+        outs = core.record(args, cost, kinds, refs, nbytes) if declared else []
+        if len(outs) != nres:
+            raise TraceError(
+                f"dtr: a CALL names {nres - declared} followers of a pool version where the "
+                f"replay made {len(outs) - declared}"
+            )
         core.drain()
         for s, t in zip(body[0::4], outs):
             slots[s] = t

@@ -266,11 +266,48 @@ def test_unknown_heuristic(Core):
         Core("best", -1)
 
 
+def test_pool_version_moves_held_members_and_keeps_old_lineage(Core):
+    core = Core("dtr", -1)
+    (buf,) = core.record([], 1.0, [NEW], [-1], [800])  # gates = addmm(...)
+    a, b = core.record([buf], 0.1, [VIEW, VIEW], [buf, buf], [0, 0])  # unsafe_chunk
+    assert not core.is_private(a) and core.can_version(a)
+    old_reader = core.record([b], 1.0, [NEW], [-1], [400])[0]  # reads b's old value
+    outs = core.record([a], 1.0, [VERSION], [a], [0])  # a.sigmoid_()
+    a1, followers = outs[0], outs[1:]
+    # buf and b follow a into the new storage; their old values keep their lineage
+    assert core.followed() == [buf, b]
+    b1 = followers[1]
+    assert {core.pool_of(t) for t in outs} == {core.pool_of(a1)} != {core.pool_of(b)}
+    assert core.ext(a1) == core.ext(b1) == 1 and core.ext(a) == core.ext(b) == 0
+    assert core.is_materialized(b1) and not core.is_materialized(b)
+    assert core.resident_bytes == 1200 and core.pinned_bytes() == 0
+    core.release(old_reader)  # no one reads the old values any more
+    core.drain()
+    core.evict_all()
+    sizes = {core.recipe_of(buf): [800], core.recipe_of(a): [0, 0], core.recipe_of(a1): [800] + [0, 0]}
+    core.lock(b1)
+    core.remat_begin(b1)
+    stolen_any, peak = [], 0
+    while (rid := core.remat_step()) >= 0:
+        assert core.make_room(core.remat_bytes(rid))
+        stolen = core.steals(rid)
+        stolen_any.append(bool(stolen))
+        core.remat_done(rid, sizes[rid], stolen)
+        peak = max(peak, core.resident_bytes)
+    core.unlock(b1)
+    # addmm, the chunks, then the version in the old storage (its old members are lineage)
+    assert stolen_any == [False, False, True] and peak == 800
+    assert core.is_materialized(b1) and core.is_materialized(a1) and not core.is_materialized(a)
+    core.check()
+
+
 class Program:
     """Replays a random program against a core the way the runtime drives it, and logs
-    everything the core answers."""
+    everything the core answers. pools: versions of tensors other held members alias
+    (pool versions) too."""
 
-    def __init__(self, core, seed: int):
+    def __init__(self, core, seed: int, pools: bool = False):
+        self.pools = pools
         self.core = core
         self.rng = random.Random(seed)
         self.held: list[int] = []
@@ -311,7 +348,8 @@ class Program:
         ok = all(self.materialize(t) for t in inputs)
         if ok:
             kinds, refs, nbytes = [], [], []
-            private = [t for t in inputs if core.is_private(t)]
+            can = core.can_version if self.pools else core.is_private
+            private = [t for t in inputs if can(t)]
             if private and rng.random() < 0.3:
                 kinds.append(VERSION)
                 refs.append(private[0])
@@ -326,13 +364,17 @@ class Program:
                     refs.append(-1)
                     nbytes.append(rng.randint(1, 64) * 16)
             outs = core.record(inputs + consts, rng.random(), kinds, refs, nbytes)
+            followers = outs[len(kinds) :]
             self.sizes[core.recipe_of(outs[0])] = [
-                core.pool_bytes(o) if k == VERSION else b for o, k, b in zip(outs, kinds, nbytes, strict=True)
-            ]
-            for o, k, r in zip(outs, kinds, refs, strict=True):
+                core.pool_bytes(o) if k == VERSION else b for o, k, b in zip(outs, kinds, nbytes)
+            ] + [0] * len(followers)
+            for o, k, r in zip(outs, kinds, refs):
                 if k == VERSION:
                     self.held.remove(r)
                 self.held.append(o)
+            for old, f in zip(core.followed(), followers, strict=True):
+                self.held.remove(old)  # a held member of a written pool follows the version
+                self.held.append(f)
             self.log.append(("record", outs))
         for t in inputs:
             core.unlock(t)
@@ -389,10 +431,11 @@ class Program:
 @pytest.mark.parametrize("sample", [0, 3], ids=["exact", "sampled"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("heuristic", HEURISTICS)
-def test_random_programs_keep_invariants(Core, heuristic, seed, sample):
+@pytest.mark.parametrize("pools", [False, True], ids=["", "pools"])
+def test_random_programs_keep_invariants(Core, heuristic, seed, sample, pools):
     core = Core(heuristic, 2500, seed)
     core.search_sample = sample
-    prog = Program(core, seed)
+    prog = Program(core, seed, pools)
     for _ in range(300):
         prog.step()
     assert any(entry[0] == "remat" for entry in prog.log)
@@ -402,12 +445,13 @@ def test_random_programs_keep_invariants(Core, heuristic, seed, sample):
 @pytest.mark.parametrize("sample", [0, 3], ids=["exact", "sampled"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("heuristic", HEURISTICS)
-def test_cpp_and_python_cores_decide_alike(heuristic, seed, sample):
+@pytest.mark.parametrize("pools", [False, True], ids=["", "pools"])
+def test_cpp_and_python_cores_decide_alike(heuristic, seed, sample, pools):
     logs = []
     for impl in (PyCore, CPP):
         core = impl(heuristic, 2500, seed)
         core.search_sample = sample
-        prog = Program(core, seed)
+        prog = Program(core, seed, pools)
         for _ in range(400):
             prog.step()
         logs.append(prog.log)
