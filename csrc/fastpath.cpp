@@ -66,6 +66,7 @@ const FastPath::OpInfo& FastPath::info(py::handle func) {
   op.view = op.facts.attr("view").cast<bool>();
   op.plain_recipe = !op.arg_index.contains("non_blocking");
   op.name = op.facts.attr("name");
+  op.op_name = op.name.cast<std::string>();
   op.nreturns = op.facts.attr("nreturns").cast<int64_t>();
   op.op = func.attr("_op");
   return ops_.emplace(func.ptr(), std::move(op)).first->second;
@@ -550,7 +551,8 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
     std::vector<int64_t> inputs(n);
     for (size_t k = 0; k < n; ++k) inputs[k] = leaves[k].tid;
     inputs.insert(inputs.end(), extra.begin(), extra.end());
-    std::vector<int64_t> out_tids = core.record(inputs, cost, kinds, refs, nbytes);
+    std::vector<int64_t> out_tids =
+        core.record(inputs, cost, kinds, refs, nbytes, std::max<int64_t>(kernel_peak, 0), op.op_name);
     std::vector<PyObject*> nones(n, Py_None);
     auto [t_args, t_kwargs] = substitute(args, kwargs, nones);
     py::list where(n), rec_inputs(n), specs(kinds.size());
@@ -778,6 +780,7 @@ void FastPath::settle(const std::vector<int64_t>& fresh, const OpInfo& op) {
     for (int64_t tid : fresh) held.lock(tid);
     bool ok = core.make_room(0);
     held.unlock_all();
+    if (!core.op_fits()) ok = false;  // the op needed more than the budget at once
     if (!ok) budget_error(fresh, op);
   }
   if (stress_) core.evict_all();

@@ -169,6 +169,7 @@ class FastPath {
     bool may_draw = false;  // may draw untagged: watched, kept as random if it drew
     py::object arg_index, arg_names;
     py::object func, facts, name, op;  // op: func._op, the C++ callable behind func
+    std::string op_name;               // name's text, for the core's floor (Core::note_need)
     int64_t nreturns = 1;
   };
   // Runtime.handle's scan of the leaves: whether the call is simple enough for this

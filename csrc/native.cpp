@@ -166,8 +166,11 @@ std::string budget_text(const BudgetExceeded& b) {
   std::string text = b.what();
   if (b.budget < 0) return text;
   py::gil_scoped_acquire gil;
-  py::object advice = py::module_::import("dtr.errors").attr("budget_advice");
-  return text + advice(b.budget, b.constants, b.what_for, b.requested).cast<std::string>();
+  py::object errors = py::module_::import("dtr.errors");
+  py::object floor = errors.attr("Floor")(b.floor, b.floor_need, b.floor_op, b.floor_in_step,
+                                          b.free_peak);
+  return text + errors.attr("budget_advice")(b.budget, b.constants, b.what_for, b.requested, floor)
+                    .cast<std::string>();
 }
 
 // An op the engine does not serve on managed tensors: raised to Python as
@@ -812,7 +815,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
             format_bytes(core.locked_bytes()) +
             " locked by the running op, none of which can be evicted. Largest unevictable: " +
             (largest.empty() ? std::string("none") : largest) + ".",
-        core.budget, core.constant_bytes(), what, requested);
+        core.budget, core.constant_bytes(), what, requested, core);
   }
 
   // A value the program reads or takes out of the engine (value_copy, export_value):
@@ -1941,7 +1944,8 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       rec.args = std::move(args);
       for (const Slot& s : rec.slots) set_item(rec.args[s.arg], s.item, at::Tensor());
       rec.outs = outs;
-      const std::vector<int64_t> out_tids = core.record(inputs, cost, kinds, refs, nbytes);
+      const std::vector<int64_t> out_tids = core.record(
+          inputs, cost, kinds, refs, nbytes, std::max<int64_t>(kernel_peak, 0), py_name(schema));
       if (e.trace) {
         std::vector<int64_t> aliases;  // the trace's ALIAS: an index into ARGS, or past it
         for (size_t q = 0; q < kinds.size(); ++q) {
@@ -1996,6 +2000,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     bool ok = core.make_room(0);
     for (int64_t t : protect) core.unlock(t);
     e.drain();
+    if (!core.op_fits()) ok = false;  // the op needed more than the budget at once
     if (!ok) {  // the op's fresh outputs are what was asked for (Runtime._settle)
       int64_t requested = 0;
       for (int64_t b : nbytes) requested += b;
@@ -2485,6 +2490,7 @@ void bind(py::module_& m) {
              d["resident_bytes"] = e.core.resident_bytes;
              d["pinned_bytes"] = e.core.pinned_bytes();
              d["constant_bytes"] = e.core.constant_bytes();
+             d["op_floor_bytes"] = e.core.op_floor_bytes;
              d["search_seconds"] = e.core.search_seconds;
              return d;
            })

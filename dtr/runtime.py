@@ -40,6 +40,7 @@ from .errors import (
     InternalError,
     UnsupportedError,
     budget_advice,
+    floor_of,
     no_autograd_message,
 )
 from .grads import hand_out
@@ -501,7 +502,9 @@ class Runtime(Driver):
         nbytes = out.untyped_storage().nbytes()
         if op.key is not None:
             self.sizes.learn(op.key, max(nbytes, kernel_peak))
-        out_tids = self.core.record(op.extra, op.cost, [NEW], [-1], [nbytes])
+        out_tids = self.core.record(
+            op.extra, op.cost, [NEW], [-1], [nbytes], max(kernel_peak, 0), facts.name
+        )
         t_args, t_kwargs = substitute(args, kwargs, call.where, [None] * len(stand_ins))
         rec = Recipe(
             func,
@@ -694,7 +697,9 @@ class Runtime(Driver):
             inputs[k] = snap_tid
             rec_inputs[k] = snap
         op.inputs = inputs + op.extra
-        out_tids = self.core.record(op.inputs, op.cost, kinds, refs, nbytes)
+        out_tids = self.core.record(
+            op.inputs, op.cost, kinds, refs, nbytes, max(op.kernel_peak, 0), op.facts.name
+        )
         args, kwargs = substitute(
             op.call.args, op.call.kwargs, op.call.where, [None] * len(op.tids)
         )
@@ -765,6 +770,8 @@ class Runtime(Driver):
         finally:
             for tid in fresh:
                 core.unlock(tid)
+        if not core.op_fits():  # the op needed more than the budget at once
+            ok = False
         if not ok:
             self.drain()
             requested = sum(core.pool_bytes(t) for t in fresh)
@@ -1232,7 +1239,9 @@ class Runtime(Driver):
             f"that cannot be recomputed) and {format_bytes(core.locked_bytes())} locked by "
             f"the running op, none of which can be evicted.{self._unmanaged_note()} "
             f"Largest unevictable: {largest or 'none'}."
-            + budget_advice(self.config.budget_bytes, core.constant_bytes(), what, requested)
+            + budget_advice(
+                self.config.budget_bytes, core.constant_bytes(), what, requested, floor_of(core)
+            )
         )
         # A program that catches the error goes on within the budget: what the failed op
         # made past it (its outputs, locked while the budget was being met) is evicted now,
