@@ -215,10 +215,11 @@ def test_room_is_made_before_an_op_that_was_seen(name, core, monkeypatch):
     # second step on, dtr knows their size (dtr/reserve.py) and evicts first, so the
     # transient count stays within 5% of the budget (ops that read no managed value,
     # such as a dropout mask's rand_like, reserve nothing). The LSTM's layer op returns a
-    # large workspace: without the reservation its steps overshoot a 30% budget by more
-    # than half of it (checked below).
+    # large workspace: without the reservation its steps overshoot a 40% budget by more
+    # than a third of it (checked below). (Its layer op needs 38% of the peak at once
+    # with its kernel's buffers, the op-level floor: no lower budget runs it.)
     peak = train(name, dtr_kwargs={"cost_model": "roofline"}).stats.peak_resident_bytes
-    budget = int(peak * 0.3)
+    budget = int(peak * (0.4 if name == "lstm" else 0.3))
 
     def steps():
         with dtr.enable(budget=budget, cost_model="roofline", log_steps=True) as session:
@@ -242,4 +243,4 @@ def test_room_is_made_before_an_op_that_was_seen(name, core, monkeypatch):
         assert name != "lstm"
         return
     if name == "lstm":
-        assert max(without) > budget * 1.5, (without, budget)
+        assert max(without) > budget * 1.35, (without, budget)
