@@ -78,6 +78,32 @@ def test_a_budget_below_the_floor_fails_naming_it(engine):
     assert int(found[4]) == floor
 
 
+def test_above_the_floor_the_message_gives_the_peak_of_a_step_without_eviction(engine):
+    # A budget at the floor that the schedule still cannot meet, after a step (closed by
+    # the optimizer) that evicted nothing: the advice is to raise it toward that peak.
+    floor = _floor(engine)
+    spec = MODELS[NAME]
+    torch.manual_seed(0)
+    model = build(NAME)
+    (batch,) = batches(NAME, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dtr.enable(engine=engine, budget=ROOMY, cost_model="roofline") as session:
+        spec.loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        peak = session.stats().max_transient_bytes
+        session.set_budget(floor)
+        with pytest.raises(RuntimeError) as info:
+            spec.loss(model, batch).backward()
+    message = str(info.value)
+    assert errors.is_budget_error(info.value) and peak > floor
+    assert f"No budget below {format_bytes(floor)} can run the steps so far" in message
+    assert message.endswith(
+        f"A step that evicted nothing peaked at {format_bytes(peak)}. Raise the budget toward "
+        f"{format_bytes(peak)} (where nothing is evicted), or reduce the batch size."
+    ), message
+
+
 def test_the_floor_is_at_most_the_smallest_feasible_budget(engine):
     floor = _floor(engine)
     _, _, free, _ = _run(engine, None)
