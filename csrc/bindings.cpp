@@ -25,8 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("budget") = -1, py::arg("seed") = 0, py::arg("min_evict_bytes") = 0)
       .def("new_constant", &dtr::Core::new_constant)
       .def("record", &dtr::Core::record, py::arg("inputs"), py::arg("cost"), py::arg("kinds"),
-           py::arg("refs"), py::arg("nbytes"), py::arg("workspace") = -1,
-           py::arg("name") = std::string())
+           py::arg("refs"), py::arg("nbytes"), py::arg("name") = std::string())
       .def("op_fits", &dtr::Core::op_fits)
       .def("retain", &dtr::Core::retain)
       .def("release", &dtr::Core::release)

@@ -153,8 +153,7 @@ void Core::add_resident(int64_t nbytes) {
 }
 
 void Core::note_need(const std::vector<int64_t>& inputs, const std::vector<int64_t>& kinds,
-                     const std::vector<int64_t>& nbytes, int64_t workspace,
-                     const std::string& name) {
+                     const std::vector<int64_t>& nbytes, const std::string& name) {
   int64_t need = 0;  // the distinct pools of its managed inputs
   for (size_t k = 0; k < inputs.size(); ++k) {
     const int64_t pid = tensors_[inputs[k]].pool;
@@ -163,10 +162,8 @@ void Core::note_need(const std::vector<int64_t>& inputs, const std::vector<int64
     for (size_t q = 0; q < k && !seen; ++q) seen = tensors_[inputs[q]].pool == pid;
     if (!seen) need += pools_[pid].nbytes;
   }
-  int64_t fresh = 0;
-  for (size_t k = 0; k < kinds.size(); ++k)
-    if (kinds[k] == kNew) fresh += nbytes[k];
-  need += std::max(fresh, workspace);
+  for (size_t k = 0; k < kinds.size(); ++k)  // and its fresh outputs
+    if (kinds[k] == kNew) need += nbytes[k];
   last_need = pending_need_ = const_bytes_ + need;
   if (last_need > step_floor_bytes) step_floor_bytes = last_need;
   if (last_need > op_floor_bytes) {
@@ -237,13 +234,13 @@ int64_t Core::new_constant(int64_t nbytes) {
 std::vector<int64_t> Core::record(const std::vector<int64_t>& inputs, double cost,
                                   const std::vector<int64_t>& kinds,
                                   const std::vector<int64_t>& refs,
-                                  const std::vector<int64_t>& nbytes, int64_t workspace,
+                                  const std::vector<int64_t>& nbytes,
                                   const std::string& name) {
   graph_changed();
   if (refs.size() != kinds.size() || nbytes.size() != kinds.size())
     fail("record: kinds, refs and nbytes differ in length");
   for (int64_t i : inputs) T(i);
-  if (workspace >= 0) note_need(inputs, kinds, nbytes, workspace, name);
+  if (!name.empty()) note_need(inputs, kinds, nbytes, name);
   ops += 1;
   int64_t rid = alloc_recipe(inputs, cost);
   for (int64_t i : inputs) {

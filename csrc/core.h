@@ -111,12 +111,11 @@ class Core {
 
   // recording
   int64_t new_constant(int64_t nbytes);  // starts with one handle (the op in flight)
-  // workspace >= 0: a call the program made (name: its op), whose kernel had that many
-  // bytes in use at most beyond its inputs; it counts towards the op-level floor
-  // (note_need). -1: a record the engine makes itself (a version for a write).
+  // name: the op of a call the program made, which counts towards the op-level floor
+  // (note_need); empty for a record the engine makes itself (a version for a write).
   std::vector<int64_t> record(const std::vector<int64_t>& inputs, double cost,
                               const std::vector<int64_t>& kinds, const std::vector<int64_t>& refs,
-                              const std::vector<int64_t>& nbytes, int64_t workspace = -1,
+                              const std::vector<int64_t>& nbytes,
                               const std::string& name = std::string());
   // handles
   void retain(int64_t tid);
@@ -173,9 +172,11 @@ class Core {
   std::tuple<int64_t, int64_t, int64_t> counts() const;
   void check() const;
 
-  // The op-level floor, live (dtr.sim.floor's, with kernels' workspaces): no budget below
-  // the constants plus what one op has resident at once (its distinct inputs, and its
-  // fresh outputs or, if larger, its kernel's peak) can run it. last_need: the last
+  // The op-level floor, live (dtr.sim.floor's): no budget below the constants plus what
+  // one op has resident at once (its distinct inputs and its fresh outputs) can run it.
+  // Kernels' own buffers are left out: dtr's count never holds them, and a budget at the
+  // peak of that count must run (a CSR matrix product's buffers would put the floor of a
+  // graph network above its peak). last_need: the last
   // recorded call's; op_floor_bytes: the largest so far, set by floor_op in step
   // floor_step, floor_need_bytes of it the op's own; step_floor_bytes: this step's.
   int64_t last_need = 0;
@@ -238,7 +239,7 @@ class Core {
   int64_t alloc_recipe(const std::vector<int64_t>& inputs, double cost);
   void add_resident(int64_t nbytes);
   void note_need(const std::vector<int64_t>& inputs, const std::vector<int64_t>& kinds,
-                 const std::vector<int64_t>& nbytes, int64_t workspace, const std::string& name);
+                 const std::vector<int64_t>& nbytes, const std::string& name);
   void pool_cost(PoolRec& p);
   static void reset(TensorRec& t);
   static void reset(PoolRec& p);

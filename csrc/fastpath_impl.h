@@ -208,7 +208,7 @@ class FastPath {
                         const py::list& specs, const py::object& captured,
                         const std::vector<Leaf>& leaves);
   void set_item(const py::object& list, int64_t index, py::handle value);
-  [[noreturn]] void budget_error(const std::vector<int64_t>& fresh, const OpInfo& op);
+  [[noreturn]] void budget_error(const std::vector<int64_t>& fresh, const OpInfo& op, bool fits);
   static void note_raised(py::handle exc);
   static void note_raised(PyObject* type, const char* what);
 

@@ -1944,8 +1944,8 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       rec.args = std::move(args);
       for (const Slot& s : rec.slots) set_item(rec.args[s.arg], s.item, at::Tensor());
       rec.outs = outs;
-      const std::vector<int64_t> out_tids = core.record(
-          inputs, cost, kinds, refs, nbytes, std::max<int64_t>(kernel_peak, 0), py_name(schema));
+      const std::vector<int64_t> out_tids =
+          core.record(inputs, cost, kinds, refs, nbytes, py_name(schema));
       if (e.trace) {
         std::vector<int64_t> aliases;  // the trace's ALIAS: an index into ARGS, or past it
         for (size_t q = 0; q < kinds.size(); ++q) {
@@ -2000,10 +2000,11 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     bool ok = core.make_room(0);
     for (int64_t t : protect) core.unlock(t);
     e.drain();
-    if (!core.op_fits()) ok = false;  // the op needed more than the budget at once
-    if (!ok) {  // the op's fresh outputs are what was asked for (Runtime._settle)
+    const bool fits = core.op_fits();
+    if (!ok || !fits) {  // its fresh outputs, or all it needed at once (Runtime._settle)
       int64_t requested = 0;
       for (int64_t b : nbytes) requested += b;
+      if (!fits) requested = core.last_need - core.constant_bytes();
       BudgetExceeded error = e.budget_error(requested, "running " + py_name(schema));
       core.make_room(0);  // its outputs, unlocked now, can go (Runtime._budget_error)
       e.drain();

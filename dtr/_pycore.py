@@ -183,9 +183,9 @@ class PyCore:
         self._prev_ops = self._prev_peak = -1
         self._step_evictions = self._step_max = 0  # evictions when the step began; its max
         self._const_bytes = 0  # constant_bytes(), kept as pools come and go
-        # The op-level floor, live (dtr.sim.floor's, with kernels' workspaces): no budget
-        # below the constants plus what one op has resident at once (its distinct inputs,
-        # and its fresh outputs or, if larger, its kernel's peak) can run it. last_need:
+        # The op-level floor, live (dtr.sim.floor's): no budget below the constants plus
+        # what one op has resident at once (its distinct inputs and its fresh outputs) can
+        # run it; kernels' own buffers are left out (Core in csrc/core.h says why). last_need:
         # the last recorded call's; op_floor_bytes: the largest so far, set by floor_op in
         # step floor_step, floor_need_bytes of it the op's own; step_floor_bytes: this
         # step's.
@@ -254,7 +254,7 @@ class PyCore:
             self._step_max = self.resident_bytes
 
     def _note_need(
-        self, inputs: list[int], kinds: list[int], nbytes: list[int], workspace: int, name: str
+        self, inputs: list[int], kinds: list[int], nbytes: list[int], name: str
     ) -> None:
         need = 0  # the distinct pools of its managed inputs
         for k, i in enumerate(inputs):
@@ -264,8 +264,7 @@ class PyCore:
             if any(self._T[inputs[q]].pool == pid for q in range(k)):
                 continue
             need += self._P[pid].nbytes
-        fresh = sum(int(b) for kind, b in zip(kinds, nbytes) if kind == NEW)
-        need += max(fresh, workspace)
+        need += sum(int(b) for kind, b in zip(kinds, nbytes) if kind == NEW)  # fresh outputs
         self.last_need = self._pending_need = self._const_bytes + need
         if self.last_need > self.step_floor_bytes:
             self.step_floor_bytes = self.last_need
@@ -307,7 +306,6 @@ class PyCore:
         kinds: list[int],
         refs: list[int],
         nbytes: list[int],
-        workspace: int = -1,
         name: str = "",
     ) -> list[int]:
         """Record one op call that has just run; returns the tids of its outputs.
@@ -319,12 +317,11 @@ class PyCore:
         old value moves to a fresh evicted pool with its lineage intact; the external
         handles move to the new tensor).
 
-        workspace >= 0: a call the program made (name: its op), whose kernel had that many
-        bytes in use at most beyond its inputs; it counts towards the op-level floor
-        (_note_need). -1: a record the engine makes itself (a version for a write).
+        name: the op of a call the program made, which counts towards the op-level floor
+        (_note_need); empty for a record the engine makes itself (a version for a write).
         """
-        if workspace >= 0:
-            self._note_need(inputs, kinds, nbytes, int(workspace), name)
+        if name:
+            self._note_need(inputs, kinds, nbytes, name)
         self.ops += 1
         rid = self._alloc_recipe(list(inputs), float(cost))
         r = self._R[rid]

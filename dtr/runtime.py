@@ -502,9 +502,7 @@ class Runtime(Driver):
         nbytes = out.untyped_storage().nbytes()
         if op.key is not None:
             self.sizes.learn(op.key, max(nbytes, kernel_peak))
-        out_tids = self.core.record(
-            op.extra, op.cost, [NEW], [-1], [nbytes], max(kernel_peak, 0), facts.name
-        )
+        out_tids = self.core.record(op.extra, op.cost, [NEW], [-1], [nbytes], facts.name)
         t_args, t_kwargs = substitute(args, kwargs, call.where, [None] * len(stand_ins))
         rec = Recipe(
             func,
@@ -697,9 +695,7 @@ class Runtime(Driver):
             inputs[k] = snap_tid
             rec_inputs[k] = snap
         op.inputs = inputs + op.extra
-        out_tids = self.core.record(
-            op.inputs, op.cost, kinds, refs, nbytes, max(op.kernel_peak, 0), op.facts.name
-        )
+        out_tids = self.core.record(op.inputs, op.cost, kinds, refs, nbytes, op.facts.name)
         args, kwargs = substitute(
             op.call.args, op.call.kwargs, op.call.where, [None] * len(op.tids)
         )
@@ -770,11 +766,15 @@ class Runtime(Driver):
         finally:
             for tid in fresh:
                 core.unlock(tid)
-        if not core.op_fits():  # the op needed more than the budget at once
-            ok = False
-        if not ok:
+        fits = core.op_fits()
+        if not ok or not fits:
             self.drain()
-            requested = sum(core.pool_bytes(t) for t in fresh)
+            # what did not fit: its fresh outputs, or all it needed at once (the floor)
+            requested = (
+                sum(core.pool_bytes(t) for t in fresh)
+                if fits
+                else core.last_need - core.constant_bytes()
+            )
             raise self._budget_error(requested, f"running {func}")
         if self.config.stress:
             core.evict_all()

@@ -51,7 +51,7 @@ class Stats(Loggable):
             Over the whole block (reset_peak() does not restart it); 0 without the
             compiled extension, and CUDA memory is not in it.
         op_floor_bytes: the op-level floor seen so far: the most the constants and one op
-            (its inputs, and its outputs or its kernel's peak if larger) had at once. No
+            (its inputs and its fresh outputs) had at once in dtr's count. No
             budget below it can run the program (a BudgetError says it and the op).
     """
 

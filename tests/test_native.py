@@ -478,8 +478,8 @@ def test_room_is_made_before_an_op_that_was_seen(name):
     """From the second step on, the engine knows what each op allocates (per op and input
     shapes, dtr/reserve.py) and evicts that much before running it, so fresh outputs do
     not sit on top of the budget: the transient count stays within 5% of a 30% budget
-    (40% for the LSTM: its layer op needs 38% of the peak at once with its kernel's
-    buffers, the op-level floor). The LSTM's layer op returns a large workspace; without
+    (40% for the LSTM: its layer op needs 31% of the peak at once, the op-level floor).
+    The LSTM's layer op returns a large workspace; without
     the reservation its steps overshoot the budget by more than a third of it."""
     from bench.harness import make_optimizer
     from bench.models import MODELS, batches, build
