@@ -51,7 +51,9 @@ def test_memory_history_and_remat_ranges_of_a_budgeted_step(tmp_path):
     assert stats.evictions > 0 and stats.remats > 0
     assert snapshot["segments"], "no segments in the snapshot"
     events = [e for trace in snapshot["device_traces"] for e in trace]
-    assert sum(e["action"] == "alloc" for e in events) >= stats.ops
+    # the step's allocations and frees, its recomputations' included, were recorded
+    allocs = sum(e["action"] == "alloc" for e in events)
+    assert allocs > stats.remats > 0, (allocs, stats.remats)
     assert any(e["action"] == "free_requested" for e in events)
     path = tmp_path / "trace.json"
     prof.export_chrome_trace(str(path))
