@@ -20,7 +20,8 @@
 # Steps, each under `timeout`, all inside one deadline of 7m45s (a step that would pass
 # it is cut short or skipped), each going on when the one before failed:
 #   1. nvidia-smi -L, torch.cuda.get_device_name(), torch and CUDA versions, dtr's core
-#   2. pytest tests/accelerator/test_cuda.py (the CUDA-only tests; their numbers are printed)
+#   2. pytest tests/accelerator/test_cuda.py tests/accelerator/test_cuda_memory_history.py
+#      (the CUDA-only tests; their numbers are printed)
 #   3. pytest tests/engines/subclass/test_runtime.py tests/engines/test_models.py -k cuda
 #      (the DEVICES-parametrized correctness suite, on cuda)
 #   4. bench.compare_heuristics --device cuda --quick, 4 heuristics x 3 ratios (test-size
@@ -100,7 +101,7 @@ if "$PY" -c 'import xdist' 2>/dev/null; then XDIST="-n 4"; fi
 # name | seconds at most | command
 STEPS=(
   "info|45|nvidia-smi -L || echo 'gpu_check: nvidia-smi -L failed (not counted)'; $PY -c \"\$GPU_CHECK_INFO\""
-  "test_cuda|120|$PY -m pytest tests/accelerator/test_cuda.py -q -s -rfEs -p no:cacheprovider --junitxml=$OUT/test_cuda.xml"
+  "test_cuda|120|$PY -m pytest tests/accelerator/test_cuda.py tests/accelerator/test_cuda_memory_history.py -q -s -rfEs -p no:cacheprovider --junitxml=$OUT/test_cuda.xml"
   "tests_on_cuda|160|$PY -m pytest tests/engines/subclass/test_runtime.py tests/engines/test_models.py -k cuda $XDIST -q -rfEs -p no:cacheprovider --junitxml=$OUT/tests_on_cuda.xml"
   "heuristics_quick|80|$PY -m bench.compare_heuristics --device cuda --quick --heuristics dtr dtr_eq msps lru --ratios 1.0 0.5 0.3 --out $OUT/heuristics_quick.csv"
   "heuristics_bench|55|$PY -m bench.compare_heuristics --device cuda --heuristics dtr --ratios 1.0 0.5 0.3 --steps 3 --warmup 1 --out $OUT/heuristics_bench.csv"

@@ -24,7 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::string&, int64_t, uint64_t, int64_t>(), py::arg("heuristic") = "dtr",
            py::arg("budget") = -1, py::arg("seed") = 0, py::arg("min_evict_bytes") = 0)
       .def("new_constant", &dtr::Core::new_constant)
-      .def("record", &dtr::Core::record)
+      .def("record", &dtr::Core::record, py::arg("inputs"), py::arg("cost"), py::arg("kinds"),
+           py::arg("refs"), py::arg("nbytes"), py::arg("name") = std::string())
+      .def("op_fits", &dtr::Core::op_fits)
       .def("retain", &dtr::Core::retain)
       .def("release", &dtr::Core::release)
       .def("lock", &dtr::Core::lock)
@@ -77,6 +79,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           "Replay a compiled trace (dtr.sim) on this core; returns ok, oom or thrash.")
       .def_readonly("heuristic", &dtr::Core::heuristic)
+      .def_readonly("last_need", &dtr::Core::last_need)
+      .def_readonly("op_floor_bytes", &dtr::Core::op_floor_bytes)
+      .def_readonly("floor_need_bytes", &dtr::Core::floor_need_bytes)
+      .def_readonly("floor_step", &dtr::Core::floor_step)
+      .def_readonly("step_floor_bytes", &dtr::Core::step_floor_bytes)
+      .def_readonly("floor_op", &dtr::Core::floor_op)
+      .def_readonly("free_peak_bytes", &dtr::Core::free_peak_bytes)
       .def_readwrite("budget", &dtr::Core::budget)
       .def_readonly("min_evict_bytes", &dtr::Core::min_evict_bytes)
       .def_readonly("now", &dtr::Core::now)

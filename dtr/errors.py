@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -85,22 +86,68 @@ def is_budget_error(exc: BaseException | None) -> bool:
     return isinstance(exc, RuntimeError) and BudgetError.PREFIX in str(exc)
 
 
-def budget_advice(budget: int, constants: int, what: str, requested: int) -> str:
+class Floor(NamedTuple):
+    """The op-level floor a core has seen (Core::note_need): no budget below nbytes can
+    run the program, whose op `op` needs `need` bytes at once on top of the constants;
+    in_step: it was seen in the step being run; free_peak: the most a step that evicted
+    nothing had resident (-1: none closed)."""
+
+    nbytes: int = 0
+    need: int = 0
+    op: str = ""
+    in_step: bool = False
+    free_peak: int = -1
+
+
+def floor_of(core) -> Floor:
+    """The floor a core (csrc/core/core.cpp's or dtr.core.reference's) has seen so far."""
+    return Floor(
+        core.op_floor_bytes,
+        core.floor_need_bytes,
+        core.floor_op,
+        core.floor_step == core.step,
+        core.free_peak_bytes,
+    )
+
+
+def budget_advice(
+    budget: int, constants: int, what: str, requested: int, floor: Floor = Floor()
+) -> str:
     """The end of a BudgetError's message, both engines': what the constants (parameters
-    and inputs, never evictable) take, what the op that did not fit needed, and advice
-    that can help: below the constants no budget works, and a smaller batch would not
-    shrink the parameters."""
-    facts = (
+    and inputs, never evictable) take, what the op that did not fit needed, the op-level
+    floor (no budget below it can work) and the peak of a step without eviction when one
+    is known, and advice that fits: below the constants no budget works and a smaller
+    batch would not shrink the parameters; below the floor the budget must reach it;
+    above it a schedule may exist nearer the peak."""
+    text = (
         f" The parameters and inputs (constants) take {format_bytes(constants)}; {what} "
         f"needed {format_bytes(requested)}."
     )
+    if floor.nbytes > 0:
+        span = "this step" if floor.in_step else "the steps so far"
+        text += (
+            f" No budget below {format_bytes(floor.nbytes)} can run {span} ({floor.op} "
+            f"needs {format_bytes(floor.need)} at once on top of the constants)."
+        )
+    if floor.free_peak >= 0:
+        text += f" A step that evicted nothing peaked at {format_bytes(floor.free_peak)}."
     if constants >= budget:
-        least = constants + requested
+        least = max(constants + requested, floor.nbytes)
         return (
-            f"{facts} The parameters and inputs alone take {constants} bytes: a budget below "
+            f"{text} The parameters and inputs alone take {constants} bytes: a budget below "
             f"that cannot work; give at least {least} ({format_bytes(least)})."
         )
-    return f"{facts} Raise the budget or reduce the batch size."
+    if floor.nbytes > budget:
+        return (
+            f"{text} Raise the budget to at least {floor.nbytes} bytes "
+            f"({format_bytes(floor.nbytes)}), or reduce the batch size."
+        )
+    if floor.free_peak > budget:
+        return (
+            f"{text} Raise the budget toward {format_bytes(floor.free_peak)} (where nothing "
+            "is evicted), or reduce the batch size."
+        )
+    return f"{text} Raise the budget or reduce the batch size."
 
 
 def no_autograd_message(name: str) -> str:

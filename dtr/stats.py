@@ -51,6 +51,9 @@ class Stats(Loggable):
             also counts constants allocated before the block: parameters, inputs).
             Over the whole block (reset_peak() does not restart it); 0 without the
             compiled extension, and CUDA memory is not in it.
+        op_floor_bytes: the op-level floor seen so far: the most the constants and one op
+            (its inputs and its fresh outputs) had at once in dtr's count. No
+            budget below it can run the program (a BudgetError says it and the op).
     """
 
     budget_bytes: int | None
@@ -70,6 +73,7 @@ class Stats(Loggable):
     search_seconds: float = 0.0
     unmanaged_bytes: int = 0
     real_peak_bytes: int = 0
+    op_floor_bytes: int = 0
 
     def __str__(self) -> str:
         return (
@@ -101,4 +105,5 @@ def collect(rt) -> Stats:
         search_seconds=core.search_seconds,
         unmanaged_bytes=rt.unmanaged_bytes,
         real_peak_bytes=rt.kernel_meter.real_peak(),
+        op_floor_bytes=core.op_floor_bytes,
     )

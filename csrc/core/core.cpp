@@ -122,6 +122,7 @@ int64_t Core::new_pool(int64_t nbytes, bool resident, bool constant) {
   p.constant = constant;
   p.last_access = now;
   p.used = true;
+  if (constant) const_bytes_ += nbytes;
   if (resident) {
     add_resident(nbytes);
     if (!constant) cand_add(pid, p);
@@ -148,6 +149,29 @@ void Core::cand_remove(PoolRec& p) {
 void Core::add_resident(int64_t nbytes) {
   resident_bytes += nbytes;
   if (resident_bytes > max_bytes) max_bytes = resident_bytes;
+  if (resident_bytes > step_max_) step_max_ = resident_bytes;
+}
+
+void Core::note_need(const std::vector<int64_t>& inputs, const std::vector<int64_t>& kinds,
+                     const std::vector<int64_t>& nbytes, const std::string& name) {
+  int64_t need = 0;  // the distinct pools of its managed inputs
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    const int64_t pid = tensors_[inputs[k]].pool;
+    if (pools_[pid].constant) continue;
+    bool seen = false;
+    for (size_t q = 0; q < k && !seen; ++q) seen = tensors_[inputs[q]].pool == pid;
+    if (!seen) need += pools_[pid].nbytes;
+  }
+  for (size_t k = 0; k < kinds.size(); ++k)  // and its fresh outputs
+    if (kinds[k] == kNew) need += nbytes[k];
+  last_need = pending_need_ = const_bytes_ + need;
+  if (last_need > step_floor_bytes) step_floor_bytes = last_need;
+  if (last_need > op_floor_bytes) {
+    op_floor_bytes = last_need;
+    floor_need_bytes = need;
+    floor_op = name;
+    floor_step = step;
+  }
 }
 
 void Core::pool_cost(PoolRec& p) {
@@ -188,6 +212,19 @@ void Core::reset(RecipeRec& r) {
                 &RecipeRec::version_of);
 }
 
+BudgetExceeded::BudgetExceeded(const std::string& msg, int64_t budget, int64_t constants,
+                               std::string what, int64_t requested, const Core& core)
+    : std::runtime_error(msg),
+      budget(budget),
+      constants(constants),
+      requested(requested),
+      what_for(std::move(what)),
+      floor(core.op_floor_bytes),
+      floor_need(core.floor_need_bytes),
+      free_peak(core.free_peak_bytes),
+      floor_op(core.floor_op),
+      floor_in_step(core.floor_step == core.step) {}
+
 // ------------------------------------------------------------------ recording
 int64_t Core::new_constant(int64_t nbytes) {
   int64_t pid = new_pool(nbytes, true, true);
@@ -197,11 +234,13 @@ int64_t Core::new_constant(int64_t nbytes) {
 std::vector<int64_t> Core::record(const std::vector<int64_t>& inputs, double cost,
                                   const std::vector<int64_t>& kinds,
                                   const std::vector<int64_t>& refs,
-                                  const std::vector<int64_t>& nbytes) {
+                                  const std::vector<int64_t>& nbytes,
+                                  const std::string& name) {
   graph_changed();
   if (refs.size() != kinds.size() || nbytes.size() != kinds.size())
     fail("record: kinds, refs and nbytes differ in length");
   for (int64_t i : inputs) T(i);
+  if (!name.empty()) note_need(inputs, kinds, nbytes, name);
   ops += 1;
   int64_t rid = alloc_recipe(inputs, cost);
   for (int64_t i : inputs) {
@@ -384,6 +423,7 @@ void Core::resized(int64_t tid, int64_t nbytes) {
   if (!p.resident) fail("resized tensor " + std::to_string(tid) + ", which is not resident");
   graph_changed();
   add_resident(nbytes - p.nbytes);
+  if (p.constant) const_bytes_ += nbytes - p.nbytes;
   p.nbytes = nbytes;
 }
 
@@ -465,6 +505,7 @@ std::vector<int64_t> Core::release_recipe(int64_t rid) {
 void Core::free_pool(int64_t pid) {
   graph_changed();
   PoolRec& p = pools_[pid];
+  if (p.constant) const_bytes_ -= p.nbytes;
   if (p.resident) {
     resident_bytes -= p.nbytes;
     cand_remove(p);
@@ -1057,6 +1098,10 @@ std::vector<int64_t> Core::end_step() {
   prev_peak_ = peak_bytes;
   step_ops_ = ops;
   step_remats_ = remats;
+  if (evictions == step_evictions_ && step_max_ > free_peak_bytes) free_peak_bytes = step_max_;
+  step_evictions_ = evictions;
+  step_max_ = resident_bytes;
+  step_floor_bytes = 0;
   return out;
 }
 
@@ -1101,12 +1146,7 @@ int64_t Core::pinned_bytes() const {
   return total;
 }
 
-int64_t Core::constant_bytes() const {
-  int64_t total = 0;
-  for (const PoolRec& p : pools_)
-    if (p.used && p.constant) total += p.nbytes;
-  return total;
-}
+int64_t Core::constant_bytes() const { return const_bytes_; }
 
 int64_t Core::locked_bytes() const {
   int64_t total = 0;
@@ -1138,11 +1178,12 @@ std::tuple<int64_t, int64_t, int64_t> Core::counts() const {
 }
 
 void Core::check() const {
-  int64_t resident = 0;
+  int64_t resident = 0, constants = 0;
   for (int64_t pid = 0; pid < static_cast<int64_t>(pools_.size()); ++pid) {
     const PoolRec& p = pools_[pid];
     if (!p.used) continue;
     if (p.resident) resident += p.nbytes;
+    if (p.constant) constants += p.nbytes;
     int64_t alive_ = 0, locks = 0, pinned = 0;
     for (int64_t m : p.members) {
       const TensorRec& t = tensors_[m];
@@ -1157,6 +1198,7 @@ void Core::check() const {
       fail("pool " + std::to_string(pid) + " counters out of date");
   }
   if (resident != resident_bytes) fail("resident byte count out of date");
+  if (constants != const_bytes_) fail("constant byte count out of date");
   std::vector<int64_t> want, have(cands_);
   for (int64_t pid = 0; pid < static_cast<int64_t>(pools_.size()); ++pid) {
     const PoolRec& p = pools_[pid];

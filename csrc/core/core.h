@@ -38,20 +38,21 @@ enum Heuristic : int {
 
 const std::vector<std::string>& heuristic_names();
 
+class Core;
+
 // The budget is given up on: no victim frees what an op needs, or recomputation runs
 // away (Core::thrash). dtr.BudgetError in Python (native/engine.cpp's exception translator).
 struct BudgetExceeded : std::runtime_error {
   using std::runtime_error::runtime_error;
-  // What dtr.errors.budget_advice words the message's advice from (budget < 0: no advice)
+  // What dtr.errors.budget_advice words the message's advice from (budget < 0: no
+  // advice), the op-level floor taken from core (dtr.errors.Floor's fields).
   BudgetExceeded(const std::string& msg, int64_t budget, int64_t constants, std::string what,
-                 int64_t requested)
-      : std::runtime_error(msg),
-        budget(budget),
-        constants(constants),
-        requested(requested),
-        what_for(std::move(what)) {}
+                 int64_t requested, const Core& core);
   int64_t budget = -1, constants = 0, requested = 0;
   std::string what_for;
+  int64_t floor = 0, floor_need = 0, free_peak = -1;
+  std::string floor_op;
+  bool floor_in_step = false;
 };
 
 // dtr.units.format_bytes: 1536 -> "1.50 KiB".
@@ -113,9 +114,12 @@ class Core {
 
   // recording
   int64_t new_constant(int64_t nbytes);  // starts with one handle (the op in flight)
+  // name: the op of a call the program made, which counts towards the op-level floor
+  // (note_need); empty for a record the engine makes itself (a version for a write).
   std::vector<int64_t> record(const std::vector<int64_t>& inputs, double cost,
                               const std::vector<int64_t>& kinds, const std::vector<int64_t>& refs,
-                              const std::vector<int64_t>& nbytes);
+                              const std::vector<int64_t>& nbytes,
+                              const std::string& name = std::string());
   // handles
   void retain(int64_t tid);
   void release(int64_t tid);
@@ -177,6 +181,30 @@ class Core {
   std::tuple<int64_t, int64_t, int64_t> counts() const;
   void check() const;
 
+  // The op-level floor, live (dtr.sim.floor's): no budget below the constants plus what
+  // one op has resident at once (its distinct inputs and its fresh outputs) can run it.
+  // Kernels' own buffers are left out: dtr's count never holds them, and a budget at the
+  // peak of that count must run (a CSR matrix product's buffers would put the floor of a
+  // graph network above its peak). last_need: the last
+  // recorded call's; op_floor_bytes: the largest so far, set by floor_op in step
+  // floor_step, floor_need_bytes of it the op's own; step_floor_bytes: this step's.
+  int64_t last_need = 0;
+  int64_t op_floor_bytes = 0;
+  int64_t floor_need_bytes = 0;
+  int64_t floor_step = -1;
+  int64_t step_floor_bytes = 0;
+  std::string floor_op;
+  // The largest resident count (at any point) of a step that evicted nothing: the peak a
+  // step reaches without eviction (-1: no such step closed yet).
+  int64_t free_peak_bytes = -1;
+  // The call recorded since the last op_fits() fits the budget (its need is then
+  // forgotten: a later budget is not held against an op already settled).
+  bool op_fits() {
+    const int64_t need = pending_need_;
+    pending_need_ = 0;
+    return budget < 0 || need <= budget;
+  }
+
   std::string heuristic;
   int64_t budget;
   int64_t min_evict_bytes;
@@ -219,6 +247,8 @@ class Core {
   int64_t new_pool(int64_t nbytes, bool resident, bool constant);
   int64_t alloc_recipe(const std::vector<int64_t>& inputs, double cost);
   void add_resident(int64_t nbytes);
+  void note_need(const std::vector<int64_t>& inputs, const std::vector<int64_t>& kinds,
+                 const std::vector<int64_t>& nbytes, const std::string& name);
   void pool_cost(PoolRec& p);
   static void reset(TensorRec& t);
   static void reset(PoolRec& p);
@@ -259,6 +289,9 @@ class Core {
   uint64_t rng_;
   // ops and remats when the step began; the previous step's ops and peak (-1: none yet)
   int64_t step_ops_ = 0, step_remats_ = 0, prev_ops_ = -1, prev_peak_ = -1;
+  int64_t step_evictions_ = 0, step_max_ = 0;  // evictions when the step began; its max count
+  int64_t pending_need_ = 0;                    // op_fits()'s
+  int64_t const_bytes_ = 0;                     // constant_bytes(), kept as pools come and go
   std::vector<TensorRec> tensors_;
   std::vector<PoolRec> pools_;
   std::vector<RecipeRec> recipes_;

@@ -167,8 +167,11 @@ std::string budget_text(const BudgetExceeded& b) {
   std::string text = b.what();
   if (b.budget < 0) return text;
   py::gil_scoped_acquire gil;
-  py::object advice = py::module_::import("dtr.errors").attr("budget_advice");
-  return text + advice(b.budget, b.constants, b.what_for, b.requested).cast<std::string>();
+  py::object errors = py::module_::import("dtr.errors");
+  py::object floor = errors.attr("Floor")(b.floor, b.floor_need, b.floor_op, b.floor_in_step,
+                                          b.free_peak);
+  return text + errors.attr("budget_advice")(b.budget, b.constants, b.what_for, b.requested, floor)
+                    .cast<std::string>();
 }
 
 // An op the engine does not serve on managed tensors: raised to Python as
@@ -837,7 +840,7 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
             format_bytes(core.locked_bytes()) +
             " locked by the running op, none of which can be evicted. Largest unevictable: " +
             (largest.empty() ? std::string("none") : largest) + ".",
-        core.budget, core.constant_bytes(), what, requested);
+        core.budget, core.constant_bytes(), what, requested, core);
   }
 
   // A value the program reads or takes out of the engine (value_copy, export_value):
@@ -1985,7 +1988,8 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       rec.args = std::move(args);
       for (const Slot& s : rec.slots) set_item(rec.args[s.arg], s.item, at::Tensor());
       rec.outs = outs;
-      const std::vector<int64_t> out_tids = core.record(inputs, cost, kinds, refs, nbytes);
+      const std::vector<int64_t> out_tids =
+          core.record(inputs, cost, kinds, refs, nbytes, py_name(schema));
       const size_t declared = kinds.size();
       // A pool version's followers (after the declared outputs): the program's tensors
       // naming the written storage's other held members name their new tensors, over the
@@ -2067,9 +2071,11 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     bool ok = core.make_room(0);
     for (int64_t t : protect) core.unlock(t);
     e.drain();
-    if (!ok) {  // the op's fresh outputs are what was asked for (Runtime._settle)
+    const bool fits = core.op_fits();
+    if (!ok || !fits) {  // its fresh outputs, or all it needed at once (Runtime._settle)
       int64_t requested = 0;
       for (int64_t b : nbytes) requested += b;
+      if (!fits) requested = core.last_need - core.constant_bytes();
       BudgetExceeded error = e.budget_error(requested, "running " + py_name(schema));
       core.make_room(0);  // its outputs, unlocked now, can go (Runtime._budget_error)
       e.drain();
@@ -2556,6 +2562,7 @@ void bind(py::module_& m) {
              d["resident_bytes"] = e.core.resident_bytes;
              d["pinned_bytes"] = e.core.pinned_bytes();
              d["constant_bytes"] = e.core.constant_bytes();
+             d["op_floor_bytes"] = e.core.op_floor_bytes;
              d["search_seconds"] = e.core.search_seconds;
              return d;
            })

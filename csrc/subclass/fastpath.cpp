@@ -67,6 +67,7 @@ const FastPath::OpInfo& FastPath::info(py::handle func) {
   op.view = op.facts.attr("view").cast<bool>();
   op.plain_recipe = !op.arg_index.contains("non_blocking");
   op.name = op.facts.attr("name");
+  op.op_name = op.name.cast<std::string>();
   op.nreturns = op.facts.attr("nreturns").cast<int64_t>();
   op.op = func.attr("_op");
   return ops_.emplace(func.ptr(), std::move(op)).first->second;
@@ -288,10 +289,11 @@ void FastPath::drain() {
   }
 }
 
-void FastPath::budget_error(const std::vector<int64_t>& fresh, const OpInfo& op) {
+void FastPath::budget_error(const std::vector<int64_t>& fresh, const OpInfo& op, bool fits) {
   drain();
-  int64_t requested = 0;
+  int64_t requested = 0;  // its fresh outputs, or all it needed at once (Runtime._settle)
   for (int64_t tid : fresh) requested += core_->pool_bytes(tid);
+  if (!fits) requested = core_->last_need - core_->constant_bytes();
   py::object what = py::str("running {}").format(op.func);
   raise_exc(rt_.attr(s_budget_error_)(requested, what));
 }
@@ -556,7 +558,8 @@ py::object FastPath::run(const OpInfo& op, PyObject* args, PyObject* kwargs,
     std::vector<int64_t> inputs(n);
     for (size_t k = 0; k < n; ++k) inputs[k] = leaves[k].tid;
     inputs.insert(inputs.end(), extra.begin(), extra.end());
-    std::vector<int64_t> out_tids = core.record(inputs, cost, kinds, refs, nbytes);
+    std::vector<int64_t> out_tids =
+        core.record(inputs, cost, kinds, refs, nbytes, op.op_name);
     std::vector<PyObject*> nones(n, Py_None);
     auto [t_args, t_kwargs] = substitute(args, kwargs, nones);
     py::list where(n), rec_inputs(n), specs(kinds.size());
@@ -792,7 +795,8 @@ void FastPath::settle(const std::vector<int64_t>& fresh, const OpInfo& op) {
     for (int64_t tid : fresh) held.lock(tid);
     bool ok = core.make_room(0);
     held.unlock_all();
-    if (!ok) budget_error(fresh, op);
+    const bool fits = core.op_fits();  // the op needed no more than the budget at once
+    if (!ok || !fits) budget_error(fresh, op, fits);
   }
   if (stress_) core.evict_all();
   drain();

@@ -169,6 +169,7 @@ class FastPath {
     bool may_draw = false;  // may draw untagged: watched, kept as random if it drew
     py::object arg_index, arg_names;
     py::object func, facts, name, op;  // op: func._op, the C++ callable behind func
+    std::string op_name;               // name's text, for the core's floor (Core::note_need)
     int64_t nreturns = 1;
   };
   // Runtime.handle's scan of the leaves: whether the call is simple enough for this
@@ -207,7 +208,7 @@ class FastPath {
                         const py::list& specs, const py::object& captured,
                         const std::vector<Leaf>& leaves);
   void set_item(const py::object& list, int64_t index, py::handle value);
-  [[noreturn]] void budget_error(const std::vector<int64_t>& fresh, const OpInfo& op);
+  [[noreturn]] void budget_error(const std::vector<int64_t>& fresh, const OpInfo& op, bool fits);
   static void note_raised(py::handle exc);
   static void note_raised(PyObject* type, const char* what);
 

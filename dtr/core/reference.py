@@ -186,6 +186,24 @@ class PyCore:
         # ops and remats when the step began; the previous step's ops and peak (-1: none)
         self._step_ops = self._step_remats = 0
         self._prev_ops = self._prev_peak = -1
+        self._step_evictions = self._step_max = 0  # evictions when the step began; its max
+        self._const_bytes = 0  # constant_bytes(), kept as pools come and go
+        # The op-level floor, live (dtr.sim.floor's): no budget below the constants plus
+        # what one op has resident at once (its distinct inputs and its fresh outputs) can
+        # run it; kernels' own buffers are left out (Core in csrc/core/core.h says why). last_need:
+        # the last recorded call's; op_floor_bytes: the largest so far, set by floor_op in
+        # step floor_step, floor_need_bytes of it the op's own; step_floor_bytes: this
+        # step's.
+        self.last_need = 0
+        self.op_floor_bytes = 0
+        self.floor_need_bytes = 0
+        self.floor_step = -1
+        self.step_floor_bytes = 0
+        self.floor_op = ""
+        self._pending_need = 0  # op_fits()'s
+        # The largest resident count (at any point) of a step that evicted nothing: the
+        # peak a step reaches without eviction (-1: no such step closed yet).
+        self.free_peak_bytes = -1
 
     # ------------------------------------------------------------------ allocation
     def _new_tensor(self, pool: int, recipe: int, ext: int, mat: bool) -> int:
@@ -212,6 +230,8 @@ class PyCore:
         else:
             pid = len(self._P)
             self._P.append(p)
+        if constant:
+            self._const_bytes += nbytes
         if resident:
             self._add_resident(nbytes)
             if not constant:
@@ -235,6 +255,35 @@ class PyCore:
         self.resident_bytes += nbytes
         if self.resident_bytes > self.max_bytes:
             self.max_bytes = self.resident_bytes
+        if self.resident_bytes > self._step_max:
+            self._step_max = self.resident_bytes
+
+    def _note_need(
+        self, inputs: list[int], kinds: list[int], nbytes: list[int], name: str
+    ) -> None:
+        need = 0  # the distinct pools of its managed inputs
+        for k, i in enumerate(inputs):
+            pid = self._T[i].pool
+            if self._P[pid].constant:
+                continue
+            if any(self._T[inputs[q]].pool == pid for q in range(k)):
+                continue
+            need += self._P[pid].nbytes
+        need += sum(int(b) for kind, b in zip(kinds, nbytes) if kind == NEW)  # fresh outputs
+        self.last_need = self._pending_need = self._const_bytes + need
+        if self.last_need > self.step_floor_bytes:
+            self.step_floor_bytes = self.last_need
+        if self.last_need > self.op_floor_bytes:
+            self.op_floor_bytes = self.last_need
+            self.floor_need_bytes = need
+            self.floor_op = name
+            self.floor_step = self.step
+
+    def op_fits(self) -> bool:
+        """The call recorded since the last op_fits() fits the budget (its need is then
+        forgotten: a later budget is not held against an op already settled)."""
+        need, self._pending_need = self._pending_need, 0
+        return self.budget < 0 or need <= self.budget
 
     def _pool_cost(self, p: _Pool) -> None:
         # Sum of the distinct recipes of the members, in member order.
@@ -256,7 +305,13 @@ class PyCore:
         return self._new_tensor(pid, -1, 1, True)
 
     def record(
-        self, inputs: list[int], cost: float, kinds: list[int], refs: list[int], nbytes: list[int]
+        self,
+        inputs: list[int],
+        cost: float,
+        kinds: list[int],
+        refs: list[int],
+        nbytes: list[int],
+        name: str = "",
     ) -> list[int]:
         """Record one op call that has just run; returns the tids of its outputs.
 
@@ -266,7 +321,12 @@ class PyCore:
         in-place update of tensor refs[k]: the new tensor takes over its storage, and the
         old value moves to a fresh evicted pool with its lineage intact; the external
         handles move to the new tensor).
+
+        name: the op of a call the program made, which counts towards the op-level floor
+        (_note_need); empty for a record the engine makes itself (a version for a write).
         """
+        if name:
+            self._note_need(inputs, kinds, nbytes, name)
         self.ops += 1
         rid = self._alloc_recipe(list(inputs), float(cost))
         r = self._R[rid]
@@ -440,6 +500,8 @@ class PyCore:
         if not p.resident:
             raise CoreError(f"dtr: resized tensor {tid}, which is not resident")
         self._add_resident(int(nbytes) - p.nbytes)
+        if p.constant:
+            self._const_bytes += int(nbytes) - p.nbytes
         p.nbytes = int(nbytes)
 
     def pin(self, tid: int) -> None:
@@ -515,6 +577,8 @@ class PyCore:
 
     def _free_pool(self, pid: int) -> None:
         p = self._P[pid]
+        if p.constant:
+            self._const_bytes -= p.nbytes
         if p.resident:
             self.resident_bytes -= p.nbytes
             self._cand_remove(p)
@@ -1064,6 +1128,11 @@ class PyCore:
         self._prev_peak = self.peak_bytes
         self._step_ops = self.ops
         self._step_remats = self.remats
+        if self.evictions == self._step_evictions and self._step_max > self.free_peak_bytes:
+            self.free_peak_bytes = self._step_max
+        self._step_evictions = self.evictions
+        self._step_max = self.resident_bytes
+        self.step_floor_bytes = 0
         return out
 
     def thrashing(self) -> bool:
@@ -1108,7 +1177,7 @@ class PyCore:
         )
 
     def constant_bytes(self) -> int:
-        return sum(p.nbytes for p in self._P if p is not None and p.constant)
+        return self._const_bytes
 
     def locked_bytes(self) -> int:
         return sum(
@@ -1140,12 +1209,14 @@ class PyCore:
 
     def check(self) -> None:
         """Verify the internal invariants; raises CoreError on the first violation."""
-        resident = 0
+        resident = constants = 0
         for pid, p in enumerate(self._P):
             if p is None:
                 continue
             if p.resident:
                 resident += p.nbytes
+            if p.constant:
+                constants += p.nbytes
             alive = sum(1 for m in p.members if self._T[m].ext > 0)
             locks = sum(self._T[m].lock for m in p.members)
             pinned = sum(1 for m in p.members if self._T[m].recipe < 0) if not p.constant else 0
@@ -1161,6 +1232,8 @@ class PyCore:
                     raise CoreError(f"dtr: tensor {m} materialized in evicted pool {pid}")
         if resident != self.resident_bytes:
             raise CoreError(f"dtr: resident {self.resident_bytes} != {resident}")
+        if constants != self._const_bytes:
+            raise CoreError(f"dtr: constants {self._const_bytes} != {constants}")
         want = sorted(
             pid for pid, p in enumerate(self._P) if p is not None and p.resident and not p.constant
         )

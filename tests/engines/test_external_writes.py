@@ -159,8 +159,8 @@ def _train_refilled(accumulate):
     return out
 
 
-# about 80% of the program's peak without a budget
-@pytest.mark.parametrize("options", [STRESS, {"budget": 75 * 1024}], ids=["stress", "budget"])
+# about 80% of the program's peak without a budget, above its op-level floor (77.5 KiB)
+@pytest.mark.parametrize("options", [STRESS, {"budget": 78 * 1024}], ids=["stress", "budget"])
 def test_numpy_batch_refilled_between_accumulated_micro_batches_matches_eager(engine, options):
     _check(engine, options, _train_refilled, True)
 

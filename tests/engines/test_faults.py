@@ -329,18 +329,21 @@ def test_budget_error_advice_fits_the_case(engine):
     # weight 256 KiB + bias 1 KiB + batch 8 KiB; addmm's 8 KiB output on top
     assert msg.endswith(
         "The parameters and inputs (constants) take 265.00 KiB; running aten.addmm.default "
-        "needed 8.00 KiB. The parameters and inputs alone take 271360 bytes: a budget below "
-        "that cannot work; give at least 279552 (273.00 KiB)."
+        "needed 8.00 KiB. No budget below 273.00 KiB can run this step (aten.addmm.default "
+        "needs 8.00 KiB at once on top of the constants). The parameters and inputs alone "
+        "take 271360 bytes: a budget below that cannot work; give at least 279552 (273.00 KiB)."
     ), msg
     assert "batch size" not in msg
-    # Above the constants, a larger budget or a smaller batch can help.
+    # Above the constants, a larger budget (at least the floor) or a smaller batch can help.
     x = torch.randn(128, 128, requires_grad=True)  # 64 KiB, a constant
     with pytest.raises(dtr.BudgetError) as info:
         with dtr.enable(engine=engine, budget="96KiB", cost_model="roofline"):
             (x @ x).sum().backward()
     assert str(info.value).endswith(
         "The parameters and inputs (constants) take 64.00 KiB; running aten.mm.default needed "
-        "64.00 KiB. Raise the budget or reduce the batch size."
+        "64.00 KiB. No budget below 128.00 KiB can run this step (aten.mm.default needs 64.00 "
+        "KiB at once on top of the constants). Raise the budget to at least 131072 bytes "
+        "(128.00 KiB), or reduce the batch size."
     ), str(info.value)
 
 
@@ -350,9 +353,11 @@ def test_budget_error_while_recomputing_is_caught_and_the_session_goes_on(core):
         hs = [x.tanh()]
         for _ in range(7):
             hs.append(hs[-1].tanh())
-        session.set_budget(2 * 64 * 64 * 4)  # x and one activation: nothing fits a remat
+        # x, one activation and a scalar: the sum runs (and evicts), no remat fits
+        session.set_budget(2 * 64 * 64 * 4 + 64)
+        hs[-1].sum()
         with pytest.raises(dtr.BudgetError, match="while recomputing aten.tanh.default") as info:
-            hs[-1].sum().backward()
+            dtr.materialize(hs[3])
         assert "KiB resident" in str(info.value) and "16.00 KiB requested" in str(info.value)
         assert session.stats().evictions > 0
         session.set_budget(None)

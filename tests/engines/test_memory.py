@@ -210,13 +210,15 @@ def test_each_heuristic_trains_the_cnn_at_half(heuristic, core):
 
 @pytest.mark.parametrize("name", ["lstm", "mlp", "transformer"])
 def test_room_is_made_before_an_op_that_was_seen(name, core, monkeypatch):
-    # An op's fresh outputs exist before the boundary that evicts for them; from the second step on,
-    # dtr knows their size (dtr/engines/subclass/kernel_peaks.py) and evicts first, so the transient
-    # count stays within 5% of the budget (ops that read no managed value, such as a dropout mask's
-    # rand_like, reserve nothing). The LSTM's layer op returns a large workspace: without the
-    # reservation its steps overshoot a 30% budget by more than half of it (checked below).
+    # An op's fresh outputs exist before the boundary that evicts for them; from the
+    # second step on, dtr knows their size (dtr/engines/subclass/kernel_peaks.py) and evicts first, so the
+    # transient count stays within 5% of the budget (ops that read no managed value,
+    # such as a dropout mask's rand_like, reserve nothing). The LSTM's layer op returns a
+    # large workspace: without the reservation its steps overshoot a 40% budget by more
+    # than a third of it (checked below). (Its layer op needs 31% of the peak at once,
+    # the op-level floor: no lower budget runs it.)
     peak = unbudgeted_peak(name)
-    budget = int(peak * 0.3)
+    budget = int(peak * (0.4 if name == "lstm" else 0.3))
 
     def steps():
         with dtr.enable(budget=budget, cost_model="roofline", log_steps=True) as session:
@@ -244,4 +246,4 @@ def test_room_is_made_before_an_op_that_was_seen(name, core, monkeypatch):
         assert name != "lstm"
         return
     if name == "lstm":
-        assert max(without) > budget * 1.5, (without, budget)
+        assert max(without) > budget * 1.35, (without, budget)

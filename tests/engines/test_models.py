@@ -91,8 +91,9 @@ def _cudnn_dropout_state_bytes() -> int:
 # The lowest fraction of its unbudgeted peak each model trains at. The CNN's lies higher:
 # its convolutions' backward kernels allocate buffers of their own (measured by the CPU
 # allocator's meter and made room for, so that the budget bounds real memory) as large as
-# two thirds of a budget of 0.3 of the peak.
-LOWEST = {"cnn": 0.4}
+# two thirds of a budget of 0.3 of the peak. The LSTM's layer op needs 0.31 of the peak at
+# once (its op-level floor, Stats.op_floor_bytes): no lower budget can run it.
+LOWEST = {"cnn": 0.4, "lstm": 0.35}
 
 
 def lowest(name: str) -> float:

@@ -131,7 +131,10 @@ def test_programs_with_sparse_tensors_match_eager(name, mode, setup, monkeypatch
     else:
         with dtr.enable(engine=engine) as free:
             program()
-        kwargs = {"budget": int(free.stats().peak_resident_bytes * ratio)}
+        # (no budget below the op-level floor can run: the embedding's tanh backward
+        # needs all but 0.1% of the peak at once)
+        stats = free.stats()
+        kwargs = {"budget": max(int(stats.peak_resident_bytes * ratio), stats.op_floor_bytes)}
     with dtr.enable(engine=engine, **kwargs) as session:
         got = [dtr.materialize(t) for t in program()]
     stats = session.stats()

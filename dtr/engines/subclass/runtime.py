@@ -37,6 +37,7 @@ from ...errors import (
     InternalError,
     UnsupportedError,
     budget_advice,
+    floor_of,
     no_autograd_message,
 )
 from ...grads import hand_out
@@ -512,7 +513,7 @@ class Runtime(Rebuilder):
         nbytes = out.untyped_storage().nbytes()
         if op.key is not None:
             self.sizes.learn(op.key, max(nbytes, kernel_peak))
-        out_tids = self.core.record(op.extra, op.cost, [NEW], [-1], [nbytes])
+        out_tids = self.core.record(op.extra, op.cost, [NEW], [-1], [nbytes], facts.name)
         t_args, t_kwargs = substitute(args, kwargs, call.where, [None] * len(stand_ins))
         rec = Recipe(
             func,
@@ -705,7 +706,7 @@ class Runtime(Rebuilder):
             inputs[k] = snap_tid
             rec_inputs[k] = snap
         op.inputs = inputs + op.extra
-        out_tids = self.core.record(op.inputs, op.cost, kinds, refs, nbytes)
+        out_tids = self.core.record(op.inputs, op.cost, kinds, refs, nbytes, op.facts.name)
         args, kwargs = substitute(
             op.call.args, op.call.kwargs, op.call.where, [None] * len(op.tids)
         )
@@ -776,9 +777,15 @@ class Runtime(Rebuilder):
         finally:
             for tid in fresh:
                 core.unlock(tid)
-        if not ok:
+        fits = core.op_fits()
+        if not ok or not fits:
             self.drain()
-            requested = sum(core.pool_bytes(t) for t in fresh)
+            # what did not fit: its fresh outputs, or all it needed at once (the floor)
+            requested = (
+                sum(core.pool_bytes(t) for t in fresh)
+                if fits
+                else core.last_need - core.constant_bytes()
+            )
             raise self._budget_error(requested, f"running {func}")
         if self.config.stress:
             core.evict_all()
@@ -1243,7 +1250,9 @@ class Runtime(Rebuilder):
             f"that cannot be recomputed) and {format_bytes(core.locked_bytes())} locked by "
             f"the running op, none of which can be evicted.{self._unmanaged_note()} "
             f"Largest unevictable: {largest or 'none'}."
-            + budget_advice(self.config.budget_bytes, core.constant_bytes(), what, requested)
+            + budget_advice(
+                self.config.budget_bytes, core.constant_bytes(), what, requested, floor_of(core)
+            )
         )
         # A program that catches the error goes on within the budget: what the failed op
         # made past it (its outputs, locked while the budget was being met) is evicted now,

