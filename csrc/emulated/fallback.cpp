@@ -11,6 +11,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
 
@@ -121,9 +122,11 @@ bool is_optional_generator(const c10::Argument& arg) {
          c10::TypeKind::GeneratorType;
 }
 
-void to_cpu_arguments(const c10::FunctionSchema& schema, c10::IValue* args, Call& call) {
+// Returns whether the schema takes a generator.
+bool to_cpu_arguments(const c10::FunctionSchema& schema, c10::IValue* args, Call& call) {
   std::vector<size_t> default_generators;
   bool emu_device_arg = false;
+  bool takes_generator = false;
   for (size_t i = 0; i < schema.arguments().size(); ++i) {
     c10::IValue& v = args[i];
     if (v.isTensor()) {
@@ -139,22 +142,53 @@ void to_cpu_arguments(const c10::FunctionSchema& schema, c10::IValue* args, Call
       }
       v = list;
     } else if (v.isDevice() && v.toDevice().is_privateuseone()) {
-      if (!call.device) call.device = v.toDevice().index() >= 0 ? v.toDevice().index() : current_device();
+      if (!call.device && v.toDevice().index() >= 0) call.device = v.toDevice().index();
       emu_device_arg = true;
       v = c10::Device(c10::kCPU);
     } else if (v.isGenerator()) {
+      takes_generator = true;
       v = cpu_generator_of(v.toGenerator());
     } else if (v.isNone() && is_optional_generator(schema.arguments()[i])) {
+      takes_generator = true;
       default_generators.push_back(i);
     }
   }
+  if (emu_device_arg && !call.device) call.device = current_device();
   // A random op on emu tensors draws from the emu device's default generator, as it
   // would on a real device; the CPU default generator is the CPU's own.
-  if (call.device || emu_device_arg) {
-    const c10::DeviceIndex index = call.device.value_or(current_device());
-    for (size_t i : default_generators) args[i] = cpu_generator_of(default_generator(index));
+  if (call.device) {
+    for (size_t i : default_generators) {
+      args[i] = cpu_generator_of(default_generator(*call.device));
+    }
   }
+  return takes_generator;
 }
+
+// A random op without a generator argument (native_dropout) draws from the CPU's default
+// generator inside its CPU kernel: for the call, that generator holds the emu device's
+// stream, which moves on by what the op drew, and the CPU's own stream is left as it was.
+class DrawingFromDevice {
+ public:
+  explicit DrawingFromDevice(c10::DeviceIndex index)
+      : cpu_(at::detail::getDefaultCPUGenerator()),
+        emu_(cpu_generator_of(default_generator(index))),
+        saved_(cpu_.get_state()) {
+    cpu_.set_state(emu_.get_state());
+  }
+  ~DrawingFromDevice() {
+    emu_.set_state(cpu_.get_state());
+    cpu_.set_state(saved_);
+  }
+  DrawingFromDevice(const DrawingFromDevice&) = delete;
+  DrawingFromDevice& operator=(const DrawingFromDevice&) = delete;
+
+ private:
+  at::Generator cpu_;
+  at::Generator emu_;
+  at::Tensor saved_;
+};
+
+
 
 void to_emu_results(size_t count, c10::IValue* results, Call& call) {
   for (size_t i = 0; i < count; ++i) {
@@ -169,18 +203,54 @@ void to_emu_results(size_t count, c10::IValue* results, Call& call) {
   }
 }
 
-void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const c10::FunctionSchema& schema = op.schema();
+// Runs cpu_op's CPU kernel on the stack, which holds the arguments of an op with cpu_op's
+// schema, and leaves its results on the stack as emu tensors.
+void run_on_cpu(const c10::OperatorHandle& cpu_op, torch::jit::Stack* stack) {
+  const c10::FunctionSchema& schema = cpu_op.schema();
   const size_t num_args = schema.arguments().size();
   Call call;
-  to_cpu_arguments(schema, stack->data() + stack->size() - num_args, call);
+  const bool takes_generator =
+      to_cpu_arguments(schema, stack->data() + stack->size() - num_args, call);
+  const c10::DeviceIndex index = call.device.value_or(current_device());
+  const c10::DeviceGuard guard(dtr_emulated::device(index));
   {
-    const c10::DeviceGuard guard(dtr_emulated::device(call.device.value_or(current_device())));
-    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
-    call.copy_back();
-    const size_t num_returns = schema.returns().size();
-    to_emu_results(num_returns, stack->data() + stack->size() - num_returns, call);
+    std::optional<DrawingFromDevice> drawing;
+    if (call.device && !takes_generator && cpu_op.hasTag(at::Tag::nondeterministic_seeded)) {
+      drawing.emplace(index);
+    }
+    cpu_op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   }
+  call.copy_back();
+  const size_t num_returns = schema.returns().size();
+  to_emu_results(num_returns, stack->data() + stack->size() - num_returns, call);
+}
+
+void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) { run_on_cpu(op, stack); }
+
+c10::OperatorHandle aten_op(const char* name, const char* overload) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
+}
+
+// at::convolution sends a device it has no backend for to convolution_overrideable, whose
+// arguments are aten::convolution's: the CPU's convolution serves it.
+void convolution_overrideable(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  static const c10::OperatorHandle cpu_op = aten_op("aten::convolution", "");
+  run_on_cpu(cpu_op, stack);
+}
+
+// convolution_backward_overrideable has aten::convolution_backward's arguments but for
+// bias_sizes (the bias gradient's size), which the weight's shape gives.
+void convolution_backward_overrideable(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  static const c10::OperatorHandle cpu_op = aten_op("aten::convolution_backward", "");
+  // grad_output, input, weight, stride, padding, dilation, transposed, output_padding,
+  // groups, output_mask: bias_sizes goes after weight
+  const auto first = static_cast<std::ptrdiff_t>(stack->size() - 10);
+  const at::Tensor weight = (*stack)[first + 2].toTensor();
+  const bool transposed = (*stack)[first + 6].toBool();
+  const int64_t groups = (*stack)[first + 8].toInt();
+  const int64_t channels = transposed ? weight.size(1) * groups : weight.size(0);
+  stack->insert(stack->begin() + first + 3, c10::IValue(std::vector<int64_t>{channels}));
+  run_on_cpu(cpu_op, stack);
 }
 
 }  // namespace
@@ -188,4 +258,12 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&dtr_emulated::fallback>());
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("convolution_overrideable",
+         torch::CppFunction::makeFromBoxedFunction<&dtr_emulated::convolution_overrideable>());
+  m.impl("convolution_backward_overrideable",
+         torch::CppFunction::makeFromBoxedFunction<
+             &dtr_emulated::convolution_backward_overrideable>());
 }
