@@ -5,16 +5,39 @@ it has its own generator, and every op runs the CPU kernel on the emu tensors' m
 
 ``load()`` registers it once per process and returns ``torch.emu``, the device module
 (the functions torch.cuda offers that dtr and the tests use), or raises ImportError when
-the extension is not built (``python setup.py build_ext --inplace``)."""
+the extension is not built (``python setup.py build_ext --inplace``).
+
+Its tensors work once it is loaded, but it reports itself available
+(``torch.emu.is_available()``, hence ``torch.accelerator``) only inside ``attached()``:
+the other tests of the same process must still see a machine without an accelerator,
+since dtr reads from it which engine ``engine="auto"`` picks and which device a
+percentage budget or ``measure="allocator"`` refers to."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 
 import torch
 
 NAME = "emu"
+_attached = [False]
+
+
+@contextlib.contextmanager
+def attached():
+    """The emu device is the machine's available accelerator inside the block."""
+    before = _attached[0]
+    _attached[0] = True
+    try:
+        yield
+    finally:
+        _attached[0] = before
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _module(ext) -> types.ModuleType:
@@ -45,9 +68,16 @@ def _module(ext) -> types.ModuleType:
         finally:
             ext.set_memory_cap(index, before)
 
+    def mem_get_info(device=None) -> tuple[int, int]:
+        """(free, total) bytes: the cap is the device's size when one is set."""
+        index = index_of(device)
+        cap = ext.memory_cap(index)
+        total = cap if cap >= 0 else _host_memory()
+        return max(total - ext.memory_allocated(index), 0), total
+
     module = types.ModuleType(f"torch.{NAME}")
     module.__dict__.update(
-        is_available=lambda: True,
+        is_available=lambda: _attached[0],
         is_initialized=lambda: True,
         _is_in_bad_fork=lambda: False,
         device_count=ext.device_count,
@@ -63,6 +93,7 @@ def _module(ext) -> types.ModuleType:
             index_of(device), -1 if cap is None else int(cap)
         ),
         memory_cap=memory_cap,
+        mem_get_info=mem_get_info,
         default_generators=tuple(ext.default_generator(i) for i in range(ext.device_count())),
         manual_seed=manual_seed,
         manual_seed_all=manual_seed_all,

@@ -16,7 +16,8 @@ namespace {
 class EmuGenerator final : public c10::GeneratorImpl {
  public:
   EmuGenerator(c10::DeviceIndex index, at::Generator cpu)
-      : c10::GeneratorImpl(dtr_emulated::device(index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
+      : c10::GeneratorImpl(dtr_emulated::device(index),
+                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
         cpu_(std::move(cpu)) {}
 
   const at::Generator& cpu() const { return cpu_; }
