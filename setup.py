@@ -32,8 +32,22 @@ if os.environ.get("DTR_NO_EXTENSION", "0") != "1":
     ext_modules.append(
         CppExtension(
             name="dtr._C",
-            sources=sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True)),
+            sources=sorted(
+                path
+                for path in glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True)
+                if not path.startswith(os.path.join("csrc", "emulated", ""))
+            ),
             include_dirs=[os.path.abspath("csrc")],
+            extra_compile_args=flags,
+        )
+    )
+    # The emulated accelerator of the tests (tests/emulated_device.py); `import dtr` never
+    # loads it.
+    ext_modules.append(
+        CppExtension(
+            name="dtr._emulated",
+            sources=sorted(glob.glob(os.path.join("csrc", "emulated", "*.cpp"))),
+            include_dirs=[os.path.abspath(os.path.join("csrc", "emulated"))],
             extra_compile_args=flags,
         )
     )

@@ -16,7 +16,8 @@ import torch
 from ...errors import BudgetError
 from ...units import format_bytes
 
-# The CUDA caching allocator says "Tried to allocate 20.00 MiB"
+# A device allocator says what it was asked for: CUDA's caching allocator "Tried to
+# allocate 20.00 MiB", the tests' emulated device "Tried to allocate 4096 bytes"
 _REQUEST = re.compile(r"[Tt]ried to allocate ([\d.]+) ?(B|bytes|KiB|MiB|GiB|TiB)")
 _SCALE = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 

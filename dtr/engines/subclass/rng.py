@@ -16,14 +16,25 @@ import contextlib
 
 import torch
 
+from .errors import UnsupportedError
+
 
 def default_generator(device: torch.device) -> torch.Generator:
+    """The generator an op on ``device`` draws from when given none: the CPU's, or the
+    one its device module (torch.cuda, or a PrivateUse1 backend's) lists in
+    ``default_generators`` for the device's index."""
     if device.type == "cpu":
         return torch.default_generator
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.default_generators[index]
-    raise NotImplementedError(f"dtr: no RNG replay for device type {device.type!r}")
+    module = getattr(torch, device.type, None)
+    if module is None or not hasattr(module, "default_generators"):
+        raise UnsupportedError(
+            f"dtr: cannot replay random ops on device type {device.type!r}: its device "
+            f"module torch.{device.type} lists no default_generators; run random ops "
+            "outside dtr (dtr.disable()) or give them an explicit generator= argument"
+        )
+    # current_device() first: it initializes the backend, which fills default_generators
+    index = device.index if device.index is not None else module.current_device()
+    return module.default_generators[index]
 
 
 def capture(generator: torch.Generator | None, device: torch.device):
