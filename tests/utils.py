@@ -20,7 +20,7 @@ import dtr
 # tests train the bench models and meter memory with the same code, and take it from
 # here rather than from bench/ themselves.
 from bench.common import profiled_bytes, profiled_peak, quiet_stderr
-from bench.harness import Trajectory, make_optimizer, train
+from bench.harness import Trajectory, make_optimizer, to_device, train
 
 __all__ = [
     "Case",
@@ -43,6 +43,7 @@ __all__ = [
     "profiled_peak",
     "quiet_stderr",
     "record_grads",
+    "to_device",
     "train",
     "unbudgeted_peak",
     "write_trace",

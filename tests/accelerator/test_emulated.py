@@ -20,11 +20,10 @@ import torch.nn.functional as F
 
 import dtr
 import dtr.device
-import dtr.rng
-from bench.harness import to_device
+import dtr.engines.subclass.rng as rng
 from bench.models import MODELS, batches, build
 from tests import emulated_device
-from tests.utils import assert_bitwise, mismatches, train
+from tests.utils import assert_bitwise, mismatches, to_device, train
 
 try:
     emu = emulated_device.load()
@@ -114,7 +113,7 @@ def test_generator_is_the_devices_own_and_reproducible():
     assert gen.device == torch.device("emu", 0)
     gen.manual_seed(5)
     assert torch.equal(torch.rand(16, device=DEV, generator=gen), a)
-    assert dtr.rng.default_generator(torch.device(DEV)) is emu.default_generators[0]
+    assert rng.default_generator(torch.device(DEV)) is emu.default_generators[0]
 
 
 def test_copies_between_cpu_and_emu_are_exact():

@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from .errors import UnsupportedError
+from ...errors import UnsupportedError
 
 
 def default_generator(device: torch.device) -> torch.Generator:
