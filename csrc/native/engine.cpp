@@ -331,7 +331,7 @@ c10::Storage empty_storage(size_t nbytes, c10::Device device, bool guarded = tru
 // while the entry lives, so an entry found by a live tensor's address is that tensor's;
 // a fill's to its storage once settled, see MadeByFill), never holding the tensor's
 // memory. Entries whose referent died are dropped once the table has doubled since the
-// last pruning (fresh.py's _Made).
+// last pruning (rebuildable_plain.py's _Made).
 //
 // A new entry's versions are settled when the next op comes to the engine: the op that
 // made the tensor is not done when the engine returns it, since the kernel above it

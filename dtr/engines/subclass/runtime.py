@@ -1073,7 +1073,7 @@ class Runtime(Rebuilder):
             return
         self.leaf_hooks.add(leaf, self._grad_ready)
 
-    def _hook_plain_reads(self, call: Call, writes) -> None:
+    def _hook_plain_reads(self, call: TensorArgs, writes) -> None:
         """A plain op with grad mode off may be a custom autograd.Function's forward, whose
         backward may accumulate a managed gradient into a parameter it reads (an
         optimizer's writes to its parameters are no reads that call for a hook)."""
