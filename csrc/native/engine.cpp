@@ -22,15 +22,18 @@
 // zeros is read as a managed copy: dtr/engines/subclass/rebuildable_plain.py, Made below). Refused with
 // dtr.UnsupportedError naming the op: in-place ops that replace a managed tensor's
 // storage (resize_, set_; set_ also with a managed source, as the subclass engine
-// refuses it), a managed tensor mixed with a sparse one, tensors not on the
-// CPU. Gradients accumulated into a leaf's .grad are handed out plain, as by the default
+// refuses it), a managed tensor mixed with a sparse one. Values may be on any device
+// with memory (proven on the CPU and the tests' emulated accelerator): a plain value is a
+// tensor of its storage's device (over()), a random op replays from that device's
+// generator. Gradients accumulated into a leaf's .grad are handed out plain, as by the default
 // engine. A budget that cannot be met raises dtr.BudgetError with the numbers. Before an
 // op runs under a budget, room is made for the bytes the last call with the same op and
 // input shapes allocated (dtr/engines/subclass/kernel_peaks.py).
 // Stress mode evicts everything evictable after every op. A trace (csrc/native/trace.h)
 // records the core calls in the subclass engine's format, for dtr.sim. torch.distributed's
-// collectives get plain tensors and are not recorded (collective(), below). OOM retry
-// (CUDA) is not here.
+// collectives get plain tensors and are not recorded (collective(), below). An op on a
+// device other than the CPU whose allocator runs out of memory is run again after dtr
+// evicts (NativeEngine::call_evicting).
 #include "native/engine.h"
 #include "cpu_cache.h"
 
