@@ -35,8 +35,8 @@ ENV_MEASURE = "DTR_MEASURE"
 ENV_THRASH = "DTR_THRASH"
 
 # "auto" (the default: the native engine unless the machine has an accelerator, ...); "native":
-# managed tensors as a C++ TensorImpl, every op through one C++ fallback (CPU only;
-# dtr.engines.native.session); "subclass": a Python wrapper subclass and dispatch mode with a C++
+# managed tensors as a C++ TensorImpl, every op through one C++ fallback (proven on
+# the CPU; dtr.engines.native.session); "subclass": a Python wrapper subclass and dispatch mode with a C++
 # fast path, on any device. dtr/engines/__init__.py has the rule.
 ENGINES = _engines.ENGINES
 

@@ -44,7 +44,7 @@ def enable(budget: object = None, heuristic: str | None = None, **options) -> Se
             ``log_steps=True`` logs a summary per optimizer step
             (:meth:`Session.end_step`); ``engine`` (or
             ``DTR_ENGINE``): "auto" (the default) runs the block on the native engine
-            (C++ per op, CPU tensors only; :mod:`dtr.engines.native.session`) unless the machine has an
+            (C++ per op, proven on the CPU; :mod:`dtr.engines.native.session`) unless the machine has an
             accelerator or something else rules it out (dtr/engines/__init__.py), else on the
             subclass engine (this module's :class:`Session`, any device); "native" or
             "subclass" choose one; ``thrash`` (or ``DTR_THRASH``; default 21, 0 with stress): a step

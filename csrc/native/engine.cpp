@@ -22,15 +22,18 @@
 // zeros is read as a managed copy: dtr/engines/subclass/rebuildable_plain.py, Made below). Refused with
 // dtr.UnsupportedError naming the op: in-place ops that replace a managed tensor's
 // storage (resize_, set_; set_ also with a managed source, as the subclass engine
-// refuses it), a managed tensor mixed with a sparse one, tensors not on the
-// CPU. Gradients accumulated into a leaf's .grad are handed out plain, as by the default
+// refuses it), a managed tensor mixed with a sparse one. Values may be on any device
+// with memory (proven on the CPU and the tests' emulated accelerator): a plain value is a
+// tensor of its storage's device (over()), a random op replays from that device's
+// generator. Gradients accumulated into a leaf's .grad are handed out plain, as by the default
 // engine. A budget that cannot be met raises dtr.BudgetError with the numbers. Before an
 // op runs under a budget, room is made for the bytes the last call with the same op and
 // input shapes allocated (dtr/engines/subclass/kernel_peaks.py).
 // Stress mode evicts everything evictable after every op. A trace (csrc/native/trace.h)
 // records the core calls in the subclass engine's format, for dtr.sim. torch.distributed's
-// collectives get plain tensors and are not recorded (collective(), below). OOM retry
-// (CUDA) is not here.
+// collectives get plain tensors and are not recorded (collective(), below). An op on a
+// device other than the CPU whose allocator runs out of memory is run again after dtr
+// evicts (NativeEngine::call_evicting).
 #include "native/engine.h"
 #include "cpu_cache.h"
 
@@ -56,6 +59,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <regex>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -180,6 +184,30 @@ struct Unsupported : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The allocator ran out of memory inside an op and dtr could not (or would not) evict and
+// run it again: raised to Python as dtr.BudgetError, worded by
+// dtr/engines/subclass/oom.py's oom_message from the numbers taken when it failed.
+struct OutOfMemory : std::runtime_error {
+  OutOfMemory(const std::string& said, std::string op, bool retried, int64_t resident,
+              int64_t pinned, int64_t locked)
+      : std::runtime_error(said), op(std::move(op)), retried(retried), resident(resident),
+        pinned(pinned), locked(locked) {}
+  std::string op;
+  bool retried;
+  int64_t resident, pinned, locked;
+};
+
+// The allocation that failed, read from the allocator's message as
+// dtr/engines/subclass/oom.py's requested_bytes does (0: not said).
+int64_t requested_bytes(const std::string& said) {
+  static const std::regex kRequest(R"([Tt]ried to allocate ([\d.]+) ?(B|bytes|KiB|MiB|GiB|TiB))");
+  std::smatch m;
+  if (!std::regex_search(said, m, kRequest)) return 0;
+  const std::string unit = m[2];
+  const int shift = unit == "KiB" ? 10 : unit == "MiB" ? 20 : unit == "GiB" ? 30 : unit == "TiB" ? 40 : 0;
+  return static_cast<int64_t>(std::stod(m[1]) * static_cast<double>(int64_t{1} << shift));
+}
+
 // How Python names an op overload (str(torch.ops.aten.squeeze_.dim)): the subclass engine's
 // messages name ops so, and the two engines' messages are the same.
 std::string py_name(const c10::FunctionSchema& schema) {
@@ -295,10 +323,13 @@ c10::DispatchKeySet meaning_keys(const at::Tensor& t) {
   return t.unsafeGetTensorImpl()->key_set() & kMeaning;
 }
 
-// A plain tensor with t's metadata over `storage`.
+// A plain tensor with t's metadata over `storage`, on the storage's device (its backend's
+// key: the kernels below the engine's are that device's).
 at::Tensor over(const at::Tensor& t, c10::Storage storage) {
+  const c10::DispatchKey backend =
+      c10::computeDispatchKey(std::nullopt, c10::kStrided, storage.device());
   auto impl = c10::make_intrusive<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU) | meaning_keys(t), t.dtype());
+      std::move(storage), c10::DispatchKeySet(backend) | meaning_keys(t), t.dtype());
   impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
   return at::Tensor(std::move(impl));
 }
@@ -444,6 +475,8 @@ struct MadeByTranspose {
   }
 };
 
+c10::Device device_of(const torch::jit::Stack& stack, size_t begin);
+
 }  // namespace
 
 struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
@@ -467,6 +500,7 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
   // the tensor a new version, which took its handles over.
   std::vector<std::shared_ptr<Cell>> pending;
   double recompute_seconds = 0.0;
+  int64_t oom_retries = 0;  // ops run again after the allocator ran out and dtr evicted
   bool steal_broken = false;  // a rerun that wrote into an old version's storage failed
   // Gradients are handed out plain (Runtime._grad_ready): Python's hook for a leaf, set by
   // dtr.engines.native.session, called once per leaf; the leaves hooked so far (weak: a pointer is not
@@ -695,7 +729,9 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
     if (it != snapshots.end()) {
       c10::intrusive_ptr<c10::StorageImpl> kept = it->second.lock();
       const size_t n = s->nbytes();
-      if (kept && kept->nbytes() == n && (n == 0 || std::memcmp(kept->data(), s->data(), n) == 0))
+      // (another device's memory is not the host's to compare: a fresh copy is taken)
+      if (kept && kept->nbytes() == n && kept->device().is_cpu() &&
+          (n == 0 || std::memcmp(kept->data(), s->data(), n) == 0))
         return over(t, c10::Storage(std::move(kept)));
     }
     at::Tensor snap = copy_storage(t);
@@ -728,7 +764,7 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
     const at::Tensor& t = args[0].toTensor();
     // (one that requires grad is a leaf whose gradient is handed out plain only if a recipe
     // reads the leaf itself: hook_leaf)
-    if (!t.defined() || t.layout() != c10::kStrided || !t.is_cpu() || t.is_inference() ||
+    if (!t.defined() || t.layout() != c10::kStrided || t.is_meta() || t.is_inference() ||
         t.requires_grad() || t.is_conj() || t.is_neg() || !t.is_contiguous() || !t.has_storage() ||
         t.storage_offset() != 0 || t.storage().nbytes() != t.nbytes())
       return;
@@ -913,6 +949,13 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
                       ": it reads a plain tensor of shape " + shape + "] " + what);
   }
 
+  // Whether a recipe's replay writes none of the tensors it is given (no new version, no
+  // scratch copy of a written argument): it can be run again after an out-of-memory.
+  static bool writes_nothing(const Recipe& rec) {
+    return rec.scratch.empty() &&
+           std::all_of(rec.outs.begin(), rec.outs.end(), [](const Out& o) { return o.slot < 0; });
+  }
+
   // Rerun recipe rid (its inputs materialized and locked) and tell the core. A new
   // version is computed in a copy of the old value's storage, or in that storage itself
   // when the core allows it (Core::steals: nothing else will read the old value).
@@ -957,7 +1000,7 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
         gen.set_state(rec.rng_state);
       }
       try {
-        call_below(*rec.op, &stack, rec.grad);
+        call_evicting(*rec.op, &stack, 0, rec.grad, writes_nothing(rec), &gen, rec.rng_state);
       } catch (...) {
         std::lock_guard<std::mutex> lock(gen.mutex());
         gen.set_state(now);
@@ -966,7 +1009,7 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
       std::lock_guard<std::mutex> lock(gen.mutex());
       gen.set_state(now);  // the program's random stream goes on where it was
     } else {
-      call_below(*rec.op, &stack, rec.grad);
+      call_evicting(*rec.op, &stack, 0, rec.grad, writes_nothing(rec), nullptr, at::Tensor());
     }
     recompute_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -1000,6 +1043,56 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
     Below below;
     at::AutoGradMode mode(grad);
     op.callBoxed(stack);
+  }
+
+  // call_below, and for an op on a device other than the CPU (its allocator may run out while
+  // dtr's count is under the device's size): on out-of-memory, evict and run it again from
+  // its arguments (those from `begin`) until it succeeds or nothing more can be freed
+  // (dtr/engines/subclass/oom.py). Only an op that writes none of its arguments is run
+  // again (a failed run may have half written one); a random op restarts each time from
+  // `rng_state`, the state it first started from.
+  void call_evicting(const c10::OperatorHandle& op, torch::jit::Stack* stack, size_t begin,
+                     bool grad, bool retry, at::Generator* gen, const at::Tensor& rng_state) {
+    if (device_of(*stack, begin).is_cpu()) {
+      call_below(op, stack, grad);
+      return;
+    }
+    const std::vector<c10::IValue> args(stack->begin() + static_cast<std::ptrdiff_t>(begin),
+                                        stack->end());
+    while (true) {
+      try {
+        call_below(op, stack, grad);
+        return;
+      } catch (const c10::OutOfMemoryError& exc) {
+        const std::string said = exc.what_without_backtrace();
+        if (!retry || evict_after_oom(requested_bytes(said)) <= 0)
+          throw OutOfMemory(said, py_name(op.schema()), retry, core.resident_bytes,
+                            core.pinned_bytes(), core.locked_bytes());
+      }
+      stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(begin), stack->end());
+      stack->insert(stack->end(), args.begin(), args.end());
+      if (gen != nullptr) {
+        std::lock_guard<std::mutex> lock(gen->mutex());
+        gen->set_state(rng_state);
+      }
+    }
+  }
+
+  // dtr/engines/subclass/oom.py's rule, after the allocator ran out of memory inside an
+  // op: evict at least what it asked for and at least an eighth of the resident bytes (a
+  // failing op converges in a few rounds); returns the bytes freed. The running op's
+  // inputs are locked, so they stay.
+  int64_t evict_after_oom(int64_t requested) {
+    const int64_t before = core.resident_bytes;
+    const int64_t want = std::max({requested, before / 8, int64_t{1}});
+    const int64_t saved = core.budget;
+    core.budget = std::max<int64_t>(0, before - want);
+    core.make_room(0);
+    core.budget = saved;
+    drain();
+    const int64_t freed = before - core.resident_bytes;
+    if (freed > 0) ++oom_retries;
+    return freed;
   }
 
   // The old value of a tensor that just got a new version (Core::version moved it, with
@@ -1329,13 +1422,27 @@ bool returns_tensors(const c10::Argument& r) {
          t->isSubtypeOf(*c10::ListType::ofOptionalTensors());
 }
 
+// The device an op runs on: that of its first tensor off the CPU (a CPU scalar may join
+// another device's tensors), else the CPU.
+c10::Device device_of(const torch::jit::Stack& stack, size_t begin) {
+  c10::Device device(c10::DeviceType::CPU);
+  for_each_tensor(const_cast<torch::jit::Stack*>(&stack), begin, stack.size() - begin,
+                  [&](size_t, int64_t, const at::Tensor& t) {
+                    if (device.is_cpu() && t.defined() && !t.is_cpu()) device = t.device();
+                  });
+  return device;
+}
+
 // The generator a random op draws from: its Generator argument (aten names it
-// `generator`; a custom op may not), else the CPU default.
+// `generator`; a custom op may not), else the default generator of the device it runs on
+// (dtr/engines/subclass/rng.py's default_generator).
 at::Generator generator_of(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
                            size_t begin) {
   for (size_t i = 0; i < schema.arguments().size(); ++i)
     if (stack[begin + i].isGenerator()) return stack[begin + i].toGenerator();
-  return at::detail::getDefaultCPUGenerator();
+  const c10::Device device = device_of(stack, begin);
+  if (device.is_cpu()) return at::detail::getDefaultCPUGenerator();
+  return at::globalContext().defaultGenerator(device);
 }
 
 // Whether an op drew from gen: its state differs from `before`, taken when the op began.
@@ -1655,10 +1762,8 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
   std::lock_guard<std::recursive_mutex> g(e.mu);
   e.flush();
   bool writes_managed = false;
-  for (const Leaf& l : leaves) {
+  for (const Leaf& l : leaves)
     if (l.native && is_written(l.arg)) writes_managed = true;
-    if (l.tensor.defined() && !l.tensor.is_cpu()) refuse(op, "it manages CPU tensors only");
-  }
   if (writes_managed && facts.view_form && (*stack)[begin].isTensor() &&
       as_native((*stack)[begin].toTensor())) {
     // x.squeeze_(), x.t_(), ... (Runtime._run_view_inplace): x becomes a view of what it
@@ -1855,9 +1960,13 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
     if (record) args.assign(stack->begin() + begin, stack->end());
     std::vector<c10::IValue> priced;  // the roofline's view of the arguments
     if (e.roofline) priced.assign(stack->begin() + begin, stack->end());
-    const int64_t in_use = size_key.empty() ? -1 : cpu_cache::window_mark();
+    // (the CPU allocator's window sees a CPU kernel's buffers only: on another device, the
+    // outputs alone are reserved)
+    const bool measured = !size_key.empty() && device_of(*stack, begin).is_cpu();
+    const int64_t in_use = measured ? cpu_cache::window_mark() : -1;
     auto start = std::chrono::steady_clock::now();
-    NativeEngine::call_below(op, stack, at::GradMode::is_enabled());
+    e.call_evicting(op, stack, begin, at::GradMode::is_enabled(), written.empty(),
+                    gen ? &*gen : nullptr, rng_state);
     double cost = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (gen && !facts.seeded && !drew(*gen, rng_state)) gen.reset();
     // what the kernel had in use at most beyond what was in use before it: its outputs
@@ -2106,6 +2215,19 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
   throw err;
 }
 
+// dtr/engines/subclass/oom.py's message for an out-of-memory dtr could not evict past.
+// Called where no engine lock is held.
+std::string oom_text(const OutOfMemory& o) {
+  py::gil_scoped_acquire gil;
+  auto number = [](int64_t n) { return py::cpp_function([n] { return n; }); };
+  py::object core = py::module_::import("types").attr("SimpleNamespace")(
+      py::arg("resident_bytes") = o.resident, py::arg("pinned_bytes") = number(o.pinned),
+      py::arg("locked_bytes") = number(o.locked));
+  return py::module_::import("dtr.engines.subclass.oom")
+      .attr("oom_message")(o.op, std::string(o.what()), o.retried, core)
+      .cast<std::string>();
+}
+
 // f(), the engine's refusals raised as dtr's errors.
 template <typename F>
 void with_python_errors(F&& f) {
@@ -2115,6 +2237,8 @@ void with_python_errors(F&& f) {
     raise_python("BudgetError", budget_text(b).c_str());
   } catch (const Unsupported& u) {
     raise_python("UnsupportedError", u.what());
+  } catch (const OutOfMemory& o) {
+    raise_python("BudgetError", oom_text(o).c_str());
   }
 }
 
@@ -2212,7 +2336,7 @@ at::Tensor value_copy(const at::Tensor& t, bool whole_storage = false) {
   // the copy is a plain tensor: made below the session's key (recomputation is not)
   auto plain_copy = [&] {
     if (whole_storage) return copy_storage(plain_view(t));  // (below the session itself)
-    c10::impl::ExcludeDispatchKeyGuard below(kKey);
+    Below below;  // (the value's own device's kernels, which may redispatch: _copy_from)
     return plain_view(t).clone();
   };
   std::shared_ptr<NativeEngine> eng = impl->eng_;
@@ -2555,6 +2679,7 @@ void bind(py::module_& m) {
              d["eager_evictions"] = e.core.eager_evictions;
              d["remats"] = e.core.remats;
              d["recompute_seconds"] = e.recompute_seconds;
+             d["oom_retries"] = e.oom_retries;
              auto [peak, transient] =
                  e.closing_peaks.value_or(std::make_pair(e.core.peak_bytes, e.core.max_bytes));
              d["peak_resident_bytes"] = peak;

@@ -6,8 +6,8 @@ generator; its ops run the CPU kernels, so every comparison with eager is bitwis
 First the device itself (counters, the cap, generators, copies, aliasing), then the
 subclass engine on it: bench models under stress and under budgets, dropout replay,
 evicting when the allocator runs out of memory (no budget), measure="allocator" and a
-percentage budget read from the device module. The native engine manages CPU tensors
-only: on emu it refuses."""
+percentage budget read from the device module. The native engine on emu has a file of
+its own (test_native_on_emu.py)."""
 
 from __future__ import annotations
 
@@ -295,9 +295,16 @@ def test_percent_budget_is_a_share_of_the_emu_devices_memory():
     assert session.stats().budget_bytes == 32 * 2**20
 
 
-def test_the_native_engine_refuses_emu_tensors():
-    # the native engine manages CPU tensors only (its kernels run in C++ on host memory)
+def test_the_native_engine_serves_emu_tensors():
+    # the native engine holds values on the emu device too (test_native_on_emu.py trains
+    # the bench models with it)
     x = torch.randn(4, 4, device=DEV, requires_grad=True)
-    with pytest.raises(dtr.UnsupportedError, match=r"^dtr: .*engine=\"subclass\""):
-        with dtr.enable(engine="native", stress=True):
-            (x * 2).tanh().sum().backward()
+    (x * 2).tanh().sum().backward()
+    expected = x.grad
+    x.grad = None
+    with dtr.enable(engine="native", stress=True) as session:
+        y = (x * 2).tanh()
+        assert y.device == torch.device("emu", 0)
+        y.sum().backward()
+    assert session.stats().remats > 0
+    assert_bitwise(x.grad, expected, "x.grad")
