@@ -7,14 +7,24 @@ from collections.abc import Callable
 
 import torch
 
+def reads_call_for_hooks() -> bool:
+    """Whether the reads of the op running now call for gradient hooks (csrc/leaf_hooks.h,
+    the same rule): under grad mode (a graph may accumulate into the leaf), or inside a
+    custom autograd.Function's forward, which runs with grad mode and forward-mode AD both
+    off (its backward accumulates into the parameters it read). Plain no_grad code and
+    backward keep forward-mode AD on, and inference mode builds no graph: their reads (an
+    optimizer's, Module._apply's) call for none."""
+    if torch.is_grad_enabled():
+        return True
+    return not torch._C._is_fwd_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
 def leaf_to_hook(t: torch.Tensor) -> torch.Tensor | None:
     """The leaf whose gradient hook a read of ``t`` calls for (csrc/leaf_hooks.h, the same
     rule for the C++ paths). Under grad mode, the leaf t is or views. With grad mode off
-    (a custom autograd.Function's forward, whose backward still accumulates into the
-    parameters it read; backward itself), the base of a view when the base is such a
-    leaf: a view made without grad mode is a leaf of its own (backward's ``weight.t()``,
-    new every step) that no graph accumulates into, and hooking it would add a hook per
-    view per step; a leaf view of a base that needs no gradient
+    (a custom autograd.Function's forward), the base of a view when the base is such a
+    leaf: a view made without grad mode (``weight.t()`` in the forward) is a leaf of its
+    own that no graph accumulates into; a leaf view of a base that needs no gradient
     (``big[:k].requires_grad_()``) is its own leaf."""
     if not t.requires_grad:
         return None

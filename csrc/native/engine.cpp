@@ -667,7 +667,7 @@ struct NativeEngine : std::enable_shared_from_this<NativeEngine> {
 
   // ---- constants (Runtime._constant): one per storage, counted while a recipe reads it
   int64_t constant(const at::Tensor& t, std::vector<int64_t>& fresh) {
-    if (t.requires_grad()) hook_leaf(t);
+    if (t.requires_grad() && reads_call_for_hooks()) hook_leaf(t);
     const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
     auto it = const_tid.find(s);
     if (it != const_tid.end()) return it->second;
@@ -1739,7 +1739,7 @@ void serve(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool record_
       for (const Leaf& l : leaves)
         if (is_written(l.arg)) eng->writes_to_plain(l.tensor);
     }
-    if (eng && eng->open && !at::GradMode::is_enabled()) {
+    if (eng && eng->open && !at::GradMode::is_enabled() && reads_call_for_hooks()) {
       // A custom autograd.Function's forward on plain tensors: its backward may
       // accumulate a managed gradient into a parameter read here (an optimizer's
       // writes to its parameters are no reads that call for a hook).

@@ -132,7 +132,8 @@ py::object FastPath::operator()(py::handle func, py::handle args, py::handle kwa
     direct = op.view || !(at::GradMode::is_enabled() && sc.requires_grad);
     if (!direct && op.managed && !sc.volatile_arg)
       return run(op, args.ptr(), kw, leaves);  // _wants_management
-    if (direct && sc.requires_grad && !at::GradMode::is_enabled() && !op.view)
+    if (direct && sc.requires_grad && !at::GradMode::is_enabled() && !op.view &&
+        reads_call_for_hooks())
       for (const Leaf& l : leaves) {  // Runtime._hook_plain_reads (it writes nothing)
         const at::Tensor& t = THPVariable_Unpack(l.arg);
         if (t.requires_grad()) hook_leaf(l.arg, t);
@@ -656,7 +657,7 @@ int64_t FastPath::constant(PyObject* arg, std::vector<int64_t>& fresh) {
     int64_t tid = PyLong_AsLongLong(known);
     // Another tensor of a known storage (cuDNN's RNN weights are views of one buffer):
     // gradient hooks are per tensor.
-    if (t.requires_grad()) hook_leaf(arg, t);
+    if (t.requires_grad() && reads_call_for_hooks()) hook_leaf(arg, t);
     return tid;
   }
   if (PyErr_Occurred()) throw py::error_already_set();
@@ -672,7 +673,7 @@ int64_t FastPath::constant(PyObject* arg, std::vector<int64_t>& fresh) {
       PyDict_SetItem(const_keys_.ptr(), id.ptr(), key.ptr()) < 0 ||
       PyDict_SetItem(const_storages_.ptr(), id.ptr(), storage.ptr()) < 0)
     throw py::error_already_set();
-  if (t.requires_grad()) hook_leaf(arg, t);
+  if (t.requires_grad() && reads_call_for_hooks()) hook_leaf(arg, t);
   return tid;
 }
 

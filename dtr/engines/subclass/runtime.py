@@ -41,7 +41,7 @@ from ...errors import (
     no_autograd_message,
 )
 from ...grads import hand_out
-from ...leaf_hooks import LeafHooks, leaf_to_hook
+from ...leaf_hooks import LeafHooks, leaf_to_hook, reads_call_for_hooks
 from ...schema import OpFacts, op_facts
 from ...step_log import StepStats, StepTracker
 from ...timeline import Recorder
@@ -309,7 +309,7 @@ class Runtime(Rebuilder):
                 # meta-only ops (zeros_like(p)...) make values no gradient flows from:
                 # optimizer state made outside no_grad (Adagrad's) stays plain
                 if facts.view or facts.meta_only or not _wants_management(call):
-                    if not torch.is_grad_enabled() and not facts.view:
+                    if not (torch.is_grad_enabled() or facts.view) and reads_call_for_hooks():
                         self._hook_plain_reads(call, writes)
                     return func(*args, **kwargs)
             elif facts.meta_only:
@@ -1050,7 +1050,7 @@ class Runtime(Rebuilder):
         if tid is not None:
             # Another tensor of a known storage (cuDNN's RNN weights are views of one
             # buffer): gradient hooks are per tensor.
-            if t.requires_grad:
+            if t.requires_grad and reads_call_for_hooks():
                 self._hook_leaf(t)
             return tid
         tid = self.core.new_constant(storage.nbytes())
@@ -1061,7 +1061,7 @@ class Runtime(Rebuilder):
         fresh.append(tid)
         if self.trace is not None:
             self.trace.constant(self.nodes[tid].label, storage.nbytes())
-        if t.requires_grad:
+        if t.requires_grad and reads_call_for_hooks():
             self._hook_leaf(t)
         return tid
 
@@ -1074,9 +1074,9 @@ class Runtime(Rebuilder):
         self.leaf_hooks.add(leaf, self._grad_ready)
 
     def _hook_plain_reads(self, call: TensorArgs, writes) -> None:
-        """A plain op with grad mode off may be a custom autograd.Function's forward, whose
-        backward may accumulate a managed gradient into a parameter it reads (an
-        optimizer's writes to its parameters are no reads that call for a hook)."""
+        """A plain op in a custom autograd.Function's forward (grad mode off): its backward
+        may accumulate a managed gradient into a parameter the op reads (what it writes
+        is no such read)."""
         for k, t in enumerate(call.leaves):
             if t.requires_grad and call.positions[k] not in writes:
                 self._hook_leaf(t)
